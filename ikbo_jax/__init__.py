@@ -1,0 +1,6 @@
+"""ikbo_jax: In-Kernel Broadcast Optimization kernels for recommender models in JAX."""
+
+from ikbo_jax.index import CandidateIndex
+from ikbo_jax.ops.linear_compression import linear_compression
+
+__all__ = ["CandidateIndex", "linear_compression"]

@@ -1,0 +1,129 @@
+"""`CandidateIndex`: the candidate -> user mapping, and the metadata kernels derive from it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CandidateIndex:
+  """Which user each candidate belongs to, plus schedule metadata computed once.
+
+  `cand_to_user[b]` is the user (request) of candidate `b`. The mapping may be
+  unsorted and users may have no candidates. `num_users` is static (it fixes the
+  shapes of user tensors); the mapping values are traced, so one compiled model
+  serves every request with the same `(num_candidates, num_users)`.
+
+  Several layers of one model reuse the same index, so the derived fields
+  (per-user counts and offsets, the order that sorts candidates by user) are
+  computed once here, in XLA, and not inside every op.
+
+  Example:
+
+  >>> import jax.numpy as jnp
+  >>> from ikbo_jax import CandidateIndex
+  >>> index = CandidateIndex.from_counts([2, 0, 3])
+  >>> index.cand_to_user.tolist()
+  [0, 0, 2, 2, 2]
+  >>> index.user_counts.tolist(), index.user_offsets.tolist()
+  ([2, 0, 3], [0, 2, 2, 5])
+  >>> CandidateIndex.from_mapping(jnp.array([1, 0, 1]), num_users=2).sort_order.tolist()
+  [1, 0, 2]
+  """
+
+  cand_to_user: jax.Array
+  user_counts: jax.Array
+  user_offsets: jax.Array
+  sort_order: jax.Array
+  num_users: int = dataclasses.field(metadata=dict(static=True))
+
+  @classmethod
+  def from_mapping(cls, cand_to_user, num_users: int) -> CandidateIndex:
+    """Builds the index from `cand_to_user: int[B]` with values in `[0, num_users)`.
+
+    Out-of-range values are not checked here (the values may be traced); see
+    `check()` and the checked mode of the ops.
+    """
+    num_users = _static_positive_int(num_users, "num_users")
+    cand_to_user = jnp.asarray(cand_to_user)
+    if cand_to_user.ndim != 1:
+      raise ValueError(
+          f"cand_to_user must have rank 1 [num_candidates], got shape {cand_to_user.shape}")
+    if not jnp.issubdtype(cand_to_user.dtype, jnp.integer):
+      raise TypeError(f"cand_to_user must be an integer array, got dtype {cand_to_user.dtype}")
+    if cand_to_user.shape[0] == 0:
+      raise ValueError("cand_to_user is empty: a batch needs at least one candidate")
+    cand_to_user = cand_to_user.astype(jnp.int32)
+    # Out-of-range ids would fall outside every segment; clamp so that the
+    # derived metadata stays well formed (ops clamp the same way).
+    clamped = jnp.clip(cand_to_user, 0, num_users - 1)
+    user_counts = jnp.zeros((num_users,), jnp.int32).at[clamped].add(1)
+    user_offsets = jnp.concatenate(
+        [jnp.zeros((1,), jnp.int32), jnp.cumsum(user_counts, dtype=jnp.int32)])
+    sort_order = jnp.argsort(clamped, stable=True).astype(jnp.int32)
+    return cls(cand_to_user, user_counts, user_offsets, sort_order, num_users)
+
+  @classmethod
+  def from_counts(cls, user_counts, num_candidates: int | None = None) -> CandidateIndex:
+    """Builds a sorted index from per-user candidate counts `int[U]`.
+
+    `num_candidates` (static) is required when `user_counts` is traced; with
+    concrete counts it defaults to their sum. Candidates are laid out user by
+    user: the first `user_counts[0]` belong to user 0, and so on.
+    """
+    if not isinstance(user_counts, jax.core.Tracer):
+      counts_np = np.asarray(user_counts)
+      if counts_np.ndim != 1:
+        raise ValueError(f"user_counts must have rank 1 [num_users], got shape {counts_np.shape}")
+      if (counts_np < 0).any():
+        raise ValueError(f"user_counts must be non-negative, got {counts_np.tolist()}")
+      total = int(counts_np.sum())
+      if num_candidates is None:
+        num_candidates = total
+      elif num_candidates != total:
+        raise ValueError(
+            f"num_candidates={num_candidates} but user_counts sum to {total}")
+    elif num_candidates is None:
+      raise ValueError("num_candidates must be given when user_counts is traced")
+    user_counts = jnp.asarray(user_counts, jnp.int32)
+    num_users = user_counts.shape[0]
+    cand_to_user = jnp.repeat(
+        jnp.arange(num_users, dtype=jnp.int32), user_counts,
+        total_repeat_length=num_candidates)
+    return cls.from_mapping(cand_to_user, num_users)
+
+  @property
+  def num_candidates(self) -> int:
+    return self.cand_to_user.shape[0]
+
+  @property
+  def clamped_cand_to_user(self) -> jax.Array:
+    """The mapping with out-of-range ids clamped to `[0, num_users)`: what fast paths use."""
+    return jnp.clip(self.cand_to_user, 0, self.num_users - 1)
+
+  def check(self) -> None:
+    """Checks that every id lies in `[0, num_users)`.
+
+    Eagerly this raises `checkify.JaxRuntimeError` at once; inside a function
+    transformed by `jax.experimental.checkify.checkify` it records the error.
+    """
+    ids = self.cand_to_user
+    checkify.check(
+        jnp.all((ids >= 0) & (ids < self.num_users)),
+        f"cand_to_user values must lie in [0, num_users={self.num_users}); "
+        "got min {lo}, max {hi}",
+        lo=jnp.min(ids), hi=jnp.max(ids))
+
+
+def _static_positive_int(value, name: str) -> int:
+  if isinstance(value, jax.core.Tracer) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name} must be a static Python int, got {type(value).__name__}")
+  if value <= 0:
+    raise ValueError(f"{name} must be positive, got {value}")
+  return int(value)

@@ -1,0 +1,1 @@
+"""Pallas GPU kernels: one backend per sub-package, each self-contained."""

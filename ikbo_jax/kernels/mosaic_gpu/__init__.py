@@ -1,0 +1,1 @@
+"""Pallas Mosaic GPU kernels (`plgpu.kernel`) for Hopper: TMA, WGMMA, warp specialization."""

@@ -1,0 +1,1 @@
+"""Pallas Triton kernels (`pl.pallas_call`), the portable second backend."""

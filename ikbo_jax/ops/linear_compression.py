@@ -1,0 +1,192 @@
+"""Linear compression with in-kernel broadcast: the public op, dispatch and gradients.
+
+`out[b] = W @ concat(E_user[u(b)], E_cand[b])` computed as
+`W_cand @ E_cand[b] + user_res[u(b)]` with `user_res[u] = W_user @ E_user[u]` at
+batch U (DESIGN.md 2.1).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from ikbo_jax import _validation as v
+from ikbo_jax import platform
+from ikbo_jax.index import CandidateIndex
+from ikbo_jax.kernels.mosaic_gpu import linear_compression as mosaic_kernel
+from ikbo_jax.kernels.triton import linear_compression as triton_kernel
+from ikbo_jax.ops import linear_compression_xla as xla
+
+Implementation = Literal["xla_materialized", "xla", "triton", "mosaic_gpu"]
+IMPLEMENTATIONS = ("xla_materialized", "xla", "triton", "mosaic_gpu")
+_KERNELS = ("triton", "mosaic_gpu")
+
+
+def _round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
+
+
+def _pad_axis(x, axis: int, size: int):
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+def _triton_forward(w_user, w_cand, e_user, e_cand, cand_to_user, *, interpret):
+  user_res = xla.user_result(w_user, e_user)
+  # 16-byte rows for the (small, L2-resident) weight; the masked K loop ignores the zeros.
+  w_cand = _pad_axis(w_cand, 1, _round_up(w_cand.shape[1], 8))
+  return triton_kernel.fused_candidate_gemm(
+      w_cand, e_cand, user_res, cand_to_user, interpret=interpret)
+
+
+def _mosaic_forward(w_user, w_cand, e_user, e_cand, cand_to_user, *, interpret):
+  config = mosaic_kernel.Config()
+  m, n = w_cand.shape[0], e_cand.shape[2]
+  # TMA tiles rows by 8 and the swizzled minor dim by 64 elements. The weight
+  # and user_res are small and padded here; E_cand is padded only when its
+  # layout is misaligned (a full copy: produce aligned embeddings upstream to avoid it).
+  m_pad = _round_up(m, 8)
+  e_cand = _pad_axis(_pad_axis(e_cand, 1, _round_up(e_cand.shape[1], 8)), 2, _round_up(n, 64))
+  k_pad = _round_up(e_cand.shape[1], config.tile_k)
+  w_cand = _pad_axis(_pad_axis(w_cand, 0, m_pad), 1, k_pad)
+  user_res = _pad_axis(_pad_axis(xla.user_result(w_user, e_user), 1, m_pad), 2, e_cand.shape[2])
+  out = mosaic_kernel.fused_candidate_gemm(
+      w_cand, e_cand, user_res, cand_to_user, num_rows=m, config=config, interpret=interpret)
+  return out if out.shape[2] == n else out[:, :, :n]
+
+
+def _forward(implementation: str, interpret: bool, *args):
+  match implementation:
+    case "xla_materialized":
+      return xla.materialized(*args)
+    case "xla":
+      return xla.decomposed(*args)
+    case "triton":
+      return _triton_forward(*args, interpret=interpret)
+    case "mosaic_gpu":
+      return _mosaic_forward(*args, interpret=interpret)
+  raise AssertionError(implementation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _lce(implementation, interpret, num_users, w_user, w_cand, e_user, e_cand, cand_to_user):
+  return _forward(implementation, interpret, w_user, w_cand, e_user, e_cand, cand_to_user)
+
+
+def _lce_fwd(implementation, interpret, num_users, *args):
+  return _forward(implementation, interpret, *args), args
+
+
+def _lce_bwd(implementation, interpret, num_users, residuals, d_out):
+  del implementation, interpret
+  grads = xla.backward(*residuals, d_out, num_users=num_users)
+  return (*grads, None)
+
+
+_lce.defvjp(_lce_fwd, _lce_bwd)
+
+
+def default_implementation(dtype, num_users: int, num_candidates: int) -> str:
+  """The implementation `implementation=None` runs for these inputs on the default device."""
+  if platform.default_platform() != "gpu" or jnp.dtype(dtype) == jnp.float32:
+    return "xla"
+  if platform.is_hopper():
+    return "mosaic_gpu"
+  return "triton"
+
+
+def _check_implementation(implementation: str, dtype, interpret: bool) -> None:
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+        f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+  if implementation not in _KERNELS:
+    if interpret:
+      raise ValueError(f"interpret=True applies to kernel implementations {_KERNELS} only")
+    return
+  if implementation == "mosaic_gpu" and jnp.dtype(dtype) == jnp.float32:
+    raise TypeError("implementation='mosaic_gpu' supports bfloat16 and float16 inputs, got float32")
+  if not interpret:
+    if platform.default_platform() != "gpu":
+      raise RuntimeError(
+          f"implementation={implementation!r} needs a CUDA GPU, the default backend is "
+          f"{platform.default_platform()!r}; pass interpret=True to run it under the "
+          "Pallas interpreter")
+    if implementation == "mosaic_gpu" and not platform.is_hopper():
+      raise RuntimeError(
+          "implementation='mosaic_gpu' needs a Hopper GPU (compute capability 9.0), got "
+          f"{platform.gpu_compute_capability()}")
+
+
+def linear_compression(w_user, w_cand, e_user, e_cand, index: CandidateIndex, *,
+                       implementation: Implementation | None = None,
+                       checked: bool = False, interpret: bool = False) -> jax.Array:
+  """Shared projection of user and candidate embeddings without broadcasting the user side.
+
+  Computes `out[b] = W_user @ e_user[u(b)] + W_cand @ e_cand[b]` with
+  `u = index.cand_to_user`, i.e. `W @ concat(e_user[u(b)], e_cand[b])` along K.
+
+  Args:
+    w_user: `[M, K_user]` weight applied to user embeddings.
+    w_cand: `[M, K_cand]` weight applied to candidate embeddings.
+    e_user: `[U, K_user, N]` user embeddings, stored once per user.
+    e_cand: `[B, K_cand, N]` candidate embeddings.
+    index: the `CandidateIndex` mapping candidates to users (`num_users == U`).
+    implementation: `"xla_materialized"` (baseline that copies user rows),
+      `"xla"` (decomposed), `"triton"` or `"mosaic_gpu"` (fused kernels), or
+      None for the fastest available on the default device. A named
+      implementation runs or raises; it never falls back.
+    checked: also check that every id lies in `[0, U)` with `checkify.check`
+      (eagerly this raises; under `jit` wrap the caller in `checkify.checkify`).
+      Without it, out-of-range ids are clamped to `[0, U)` in every
+      implementation, forward and backward.
+    interpret: run a kernel implementation under the Pallas interpreter.
+
+  Returns:
+    `[B, M, N]` in the input dtype (float32 accumulation).
+
+  >>> import jax, jax.numpy as jnp
+  >>> from ikbo_jax import CandidateIndex, linear_compression
+  >>> index = CandidateIndex.from_mapping(jnp.array([1, 0, 1]), num_users=2)
+  >>> ks = jax.random.split(jax.random.key(0), 4)
+  >>> out = linear_compression(
+  ...     jax.random.normal(ks[0], (4, 6)), jax.random.normal(ks[1], (4, 5)),
+  ...     jax.random.normal(ks[2], (2, 6, 3)), jax.random.normal(ks[3], (3, 5, 3)), index)
+  >>> out.shape
+  (3, 4, 3)
+  """
+  _check_args(w_user, w_cand, e_user, e_cand, index)
+  dtype = v.check_float_dtypes(w_user=w_user, w_cand=w_cand, e_user=e_user, e_cand=e_cand)
+  if implementation is None:
+    if interpret:
+      raise ValueError("interpret=True needs a named kernel implementation")
+    implementation = default_implementation(dtype, index.num_users, index.num_candidates)
+  _check_implementation(implementation, dtype, interpret)
+  if checked:
+    index.check()
+  return _lce(implementation, interpret, index.num_users,
+              w_user, w_cand, e_user, e_cand, index.clamped_cand_to_user)
+
+
+def _check_args(w_user, w_cand, e_user, e_cand, index) -> None:
+  if not isinstance(index, CandidateIndex):
+    raise TypeError(f"index must be a CandidateIndex, got {type(index).__name__}")
+  v.check_rank("w_user", w_user, 2, "[M, K_user]")
+  v.check_rank("w_cand", w_cand, 2, "[M, K_cand]")
+  v.check_rank("e_user", e_user, 3, "[U, K_user, N]")
+  v.check_rank("e_cand", e_cand, 3, "[B, K_cand, N]")
+  for name, x in (("w_user", w_user), ("w_cand", w_cand), ("e_user", e_user), ("e_cand", e_cand)):
+    v.check_nonempty(name, x)
+  m, k_user = w_user.shape
+  v.check_dim("w_cand", w_cand, 0, m, "M, from w_user")
+  v.check_dim("e_user", e_user, 0, index.num_users, "U, from index.num_users")
+  v.check_dim("e_user", e_user, 1, k_user, "K_user, from w_user")
+  n = e_user.shape[2]
+  v.check_dim("e_cand", e_cand, 0, index.num_candidates, "B, from index.cand_to_user")
+  v.check_dim("e_cand", e_cand, 1, w_cand.shape[1], "K_cand, from w_cand")
+  v.check_dim("e_cand", e_cand, 2, n, "N, from e_user")

@@ -1,0 +1,47 @@
+"""Shared test helpers: random IKBO problems and the error rule kernels must meet."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ikbo_jax import CandidateIndex
+
+
+def pytest_collection_modifyitems(config, items):
+  if jax.default_backend() == "gpu":
+    return
+  skip = pytest.mark.skip(reason="needs a CUDA GPU")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+
+
+def random_index(rng: np.random.Generator, num_users: int, num_candidates: int,
+                 sorted_: bool = False, empty_users: int = 0) -> CandidateIndex:
+  """An unsorted (unless `sorted_`) mapping in which `empty_users` users get no candidates."""
+  live = rng.permutation(num_users)[: num_users - empty_users]
+  ids = rng.choice(live, size=num_candidates)
+  ids[: len(live)] = live[: num_candidates]  # every live user appears at least once
+  ids = np.sort(ids) if sorted_ else rng.permutation(ids)
+  return CandidateIndex.from_mapping(jnp.asarray(ids, jnp.int32), num_users)
+
+
+def random_lce_args(seed: int, m, k_user, k_cand, n, num_users, num_candidates, dtype):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  shapes = ((m, k_user), (m, k_cand), (num_users, k_user, n), (num_candidates, k_cand, n))
+  return tuple((jax.random.normal(key, s, jnp.float32) / np.sqrt(s[-1] if len(s) == 2 else s[1]))
+               .astype(dtype) for key, s in zip(keys, shapes))
+
+
+def rel_err(x, ref) -> float:
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  assert np.isfinite(x).all(), "non-finite output"
+  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def assert_within_reference_error(out, same_precision_ref, f32_ref, floor=1e-6):
+  """The kernel's error vs float32 is at most 2x the same-precision XLA error plus a floor."""
+  kernel_err = rel_err(out, f32_ref)
+  ref_err = rel_err(same_precision_ref, f32_ref)
+  assert kernel_err <= 2 * ref_err + floor, (kernel_err, ref_err)
