@@ -1,0 +1,60 @@
+"""Timing, ceilings and result files shared by the benchmark scripts."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def median_ms(fn, *args, iterations: int = 30) -> tuple[float, str]:
+  """Median device time of `fn(*args)` in ms: CUPTI kernel time where available, else wall clock."""
+  jax.block_until_ready(fn(*args))
+  if jax.default_backend() == "gpu":
+    from jax.experimental.mosaic.gpu import profiler
+    try:
+      _, times = profiler.measure(fn, iterations=iterations)(*args)
+      if times:
+        return statistics.median(times), "cupti"
+    except Exception as e:  # CUPTI unavailable: fall back, and say so in the result.
+      print(f"cupti timing failed ({type(e).__name__}: {e}); using wall clock")
+  times = []
+  for _ in range(iterations):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(times), "wall"
+
+
+def measure_ceilings() -> dict:
+  """bf16 matmul rate and device-to-device copy bandwidth, measured on this device."""
+  n = 8192 if jax.default_backend() == "gpu" else 512
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+  mm_ms, _ = median_ms(jax.jit(jnp.matmul), a, b, iterations=10)
+  x = jax.random.normal(jax.random.key(2), (1 << (28 if n == 8192 else 20),), jnp.float32)
+  copy_ms, _ = median_ms(jax.jit(lambda x: x * 2), x, iterations=10)
+  return dict(matmul_tflops=2 * n ** 3 / mm_ms / 1e9, copy_tbps=2 * x.nbytes / copy_ms / 1e9)
+
+
+def metadata() -> dict:
+  commit = os.environ.get("IKBO_COMMIT")  # the device machine's copy has no .git
+  try:
+    commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                      text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    commit = "unknown"
+  return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              commit=commit, device=jax.devices()[0].device_kind,
+              jax_version=jax.__version__, backend=jax.default_backend())
+
+
+def write_json(path: str, payload: dict) -> None:
+  with open(path, "w") as f:
+    json.dump(payload, f, indent=1)
