@@ -1,0 +1,78 @@
+"""Diagnostics for linear compression on the GPU: backward pieces and Mosaic GPU tile configs.
+
+    python -m benchmarks.lce_diagnostics --out diag.json
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import common
+from benchmarks.linear_compression import PUBLISHED, _pad_k, _problem
+from ikbo_jax.kernels.mosaic_gpu import linear_compression as mosaic_kernel
+from ikbo_jax.kernels.triton import linear_compression as triton_kernel
+from ikbo_jax.ops import linear_compression_xla as xla
+
+
+def backward_parts(args, index, d_out):
+  w_user, w_cand, e_user, e_cand = args
+  ids, num_users = index.cand_to_user, index.num_users
+  f32 = jnp.float32
+  parts = {
+      "segment_sum_f32": (lambda d: jax.ops.segment_sum(d.astype(f32), ids, num_users), (d_out,)),
+      "onehot_matmul": (lambda d: jnp.einsum(
+          "ub,bmn->umn", jax.nn.one_hot(ids, num_users, dtype=d.dtype, axis=0), d,
+          preferred_element_type=f32), (d_out,)),
+      "d_w_cand": (lambda d, e: jnp.einsum("bmn,bkn->mk", d, e, preferred_element_type=f32),
+                   (d_out, e_cand)),
+      "d_e_cand_einsum": (lambda w, d: jnp.einsum("mk,bmn->bkn", w, d), (w_cand, d_out)),
+      "d_e_cand_triton": (lambda w, d: triton_kernel.fused_candidate_gemm(
+          jnp.pad(w.T, ((0, 0), (0, 7))), d, jnp.zeros((1,) + e_cand.shape[1:], f32),
+          jnp.zeros(ids.shape, jnp.int32)), (w_cand, d_out)),
+      "full_xla_backward": (lambda *a: xla.backward(*a, num_users=num_users),
+                            (*args, ids, d_out)),
+  }
+  return {name: common.median_ms(jax.jit(fn), *ops, iterations=20)[0]
+          for name, (fn, ops) in parts.items()}
+
+
+def mosaic_configs(args, index):
+  w_user, w_cand, e_user, e_cand = [_pad_k(a, 1) for a in args]
+  m = w_cand.shape[0]
+  m_pad = -(-m // 8) * 8
+  user_res = jnp.pad(xla.user_result(w_user, e_user), ((0, 0), (0, m_pad - m), (0, 0)))
+  results = {}
+  for tile_k, steps in ((64, 3), (64, 2), (32, 6), (32, 4), (128, 1)):
+    config = mosaic_kernel.Config(tile_k=tile_k, max_concurrent_steps=steps)
+    k_pad = -(-e_cand.shape[1] // tile_k) * tile_k
+    w = jnp.pad(w_cand, ((0, m_pad - m), (0, k_pad - w_cand.shape[1])))
+    fn = jax.jit(lambda w, e, u, i, config=config: mosaic_kernel.fused_candidate_gemm(
+        w, e, u, i, num_rows=m, config=config))
+    try:
+      results[f"tile_k={tile_k},steps={steps}"] = common.median_ms(
+          fn, w, e_cand, user_res, index.cand_to_user, iterations=20)[0]
+    except Exception as e:  # an over-budget config (shared memory) is reported, not fatal
+      results[f"tile_k={tile_k},steps={steps}"] = f"{type(e).__name__}: {str(e)[:200]}"
+  return results
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--out", required=True)
+  out_path = parser.parse_args().out
+  args, index = _problem(**PUBLISHED, dtype=jnp.bfloat16)
+  d_out = jax.random.normal(jax.random.key(3), (PUBLISHED["num_candidates"], PUBLISHED["m"],
+                                                PUBLISHED["n"]), jnp.bfloat16)
+  payload = dict(**common.metadata(), shape=PUBLISHED)
+  payload["backward_parts_ms"] = backward_parts(args, index, d_out)
+  print(payload["backward_parts_ms"])
+  payload["mosaic_configs_ms"] = mosaic_configs(args, index)
+  print(payload["mosaic_configs_ms"])
+  common.write_json(out_path, payload)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,29 @@
+"""The notebooks execute on CPU against a small result file made by the benchmark script."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+NotebookClient = pytest.importorskip("nbclient").NotebookClient
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_linear_compression_notebook_executes(tmp_path):
+  results = tmp_path / "small.json"
+  subprocess.run([sys.executable, "-m", "benchmarks.linear_compression", "--small",
+                  "--iterations", "2", "--out", str(results)], cwd=ROOT, check=True)
+  nb = nbformat.read(ROOT / "notebooks" / "linear_compression.ipynb", as_version=4)
+  os.environ["IKBO_RESULTS"] = str(results)
+  try:
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+  finally:
+    del os.environ["IKBO_RESULTS"]
+  outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                    for o in c.get("outputs", []))
+  assert "baseline_materialized" in outputs
