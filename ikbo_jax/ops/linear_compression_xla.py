@@ -11,6 +11,10 @@ import jax
 import jax.numpy as jnp
 
 _F32 = jnp.float32
+# Up to this many users the per-user reduction of d_out runs as a one-hot GEMM
+# (0.056 ms vs 0.164 ms for the scatter-add segment sum at the published shape
+# on the H200); its FLOPs grow with U, the scatter's do not.
+_ONE_HOT_MAX_USERS = 256
 
 
 def materialized(w_user, w_cand, e_user, e_cand, cand_to_user, *, precision=None):
@@ -39,14 +43,22 @@ def decomposed(w_user, w_cand, e_user, e_cand, cand_to_user, *, precision=None):
   return (cand_res.astype(_F32) + user_res[cand_to_user]).astype(e_cand.dtype)
 
 
+def sum_per_user(x, cand_to_user, num_users: int):
+  """`out[u] = sum_{b: cand_to_user[b] = u} x[b]` in float32."""
+  if num_users <= _ONE_HOT_MAX_USERS:
+    one_hot = jax.nn.one_hot(cand_to_user, num_users, dtype=x.dtype, axis=0)
+    return jnp.einsum("ub,b...->u...", one_hot, x, preferred_element_type=_F32,
+                      precision=jax.lax.Precision.HIGHEST)
+  return jax.ops.segment_sum(x.astype(_F32), cand_to_user, num_segments=num_users)
+
+
 def backward(w_user, w_cand, e_user, e_cand, cand_to_user, d_out, *, num_users: int):
   """Cotangents of all four float operands; no broadcast is ever materialized.
 
   The user side first reduces `d_out` over each user's candidates (a segment
   sum at batch B), then runs its two GEMMs at batch U.
   """
-  d_user = jax.ops.segment_sum(
-      d_out.astype(_F32), cand_to_user, num_segments=num_users)
+  d_user = sum_per_user(d_out, cand_to_user, num_users)
   d_w_cand = jnp.einsum("bmn,bkn->mk", d_out, e_cand, preferred_element_type=_F32)
   d_e_cand = jnp.einsum("mk,bmn->bkn", w_cand, d_out, preferred_element_type=_F32)
   highest = jax.lax.Precision.HIGHEST
