@@ -13,8 +13,11 @@ no broadcast of `user_res` to the candidate batch exists.
 Ragged M and the K tail rely on TMA bounds handling: loads past the end of a
 dimension read zeros and stores past it are dropped, per dimension of the
 `[B, M, N]` / `[B, K, N]` tensors, so one candidate's tile never touches its
-neighbour's rows. TMA needs 16-byte aligned row strides, hence the caller pads
-`W_cand`'s K (a small weight) to `align_k` and N must be a multiple of 8.
+neighbour's rows. The swizzled TMA tiles need the tiled dimensions of every
+global operand to be multiples of the tile (8 rows, 64 bf16 columns), hence the
+caller pads `W_cand` (to `tile_k` columns) and `user_res`, and passes `E_cand`
+with K a multiple of 8 and N of 64. The output is stored with a row tiling of 1,
+so M needs no padding there.
 """
 
 from __future__ import annotations
