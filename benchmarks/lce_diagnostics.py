@@ -6,12 +6,15 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks import common
-from benchmarks.linear_compression import PUBLISHED, _pad_k, _problem
+from benchmarks.linear_compression import PUBLISHED, _problem, pad_k
+from ikbo_jax._padding import pad_to_multiple
+from ikbo_jax.ops.linear_compression import align_for_mosaic
 from ikbo_jax.kernels.mosaic_gpu import linear_compression as mosaic_kernel
 from ikbo_jax.kernels.triton import linear_compression as triton_kernel
 from ikbo_jax.ops import linear_compression_xla as xla
@@ -30,7 +33,7 @@ def backward_parts(args, index, d_out):
                    (d_out, e_cand)),
       "d_e_cand_einsum": (lambda w, d: jnp.einsum("mk,bmn->bkn", w, d), (w_cand, d_out)),
       "d_e_cand_triton": (lambda w, d: triton_kernel.fused_candidate_gemm(
-          jnp.pad(w.T, ((0, 0), (0, 7))), d, jnp.zeros((1,) + e_cand.shape[1:], f32),
+          pad_to_multiple(w.T, 1, 8), d, jnp.zeros((1,) + e_cand.shape[1:], f32),
           jnp.zeros(ids.shape, jnp.int32)), (w_cand, d_out)),
       "full_xla_backward": (lambda *a: xla.backward(*a, num_users=num_users),
                             (*args, ids, d_out)),
@@ -40,20 +43,18 @@ def backward_parts(args, index, d_out):
 
 
 def mosaic_configs(args, index):
-  w_user, w_cand, e_user, e_cand = [_pad_k(a, 1) for a in args]
-  m = w_cand.shape[0]
-  m_pad = -(-m // 8) * 8
-  user_res = jnp.pad(xla.user_result(w_user, e_user), ((0, 0), (0, m_pad - m), (0, 0)))
+  """Kernel-only time per tile config, on operands already aligned for the kernel."""
+  w_user, w_cand, e_user, e_cand = [pad_k(a) for a in args]
+  user_res = xla.user_result(w_user, e_user)
   results = {}
   for tile_k, steps in ((64, 3), (64, 2), (32, 6), (32, 4), (128, 1)):
     config = mosaic_kernel.Config(tile_k=tile_k, max_concurrent_steps=steps)
-    k_pad = -(-e_cand.shape[1] // tile_k) * tile_k
-    w = jnp.pad(w_cand, ((0, m_pad - m), (0, k_pad - w_cand.shape[1])))
-    fn = jax.jit(lambda w, e, u, i, config=config: mosaic_kernel.fused_candidate_gemm(
-        w, e, u, i, num_rows=m, config=config))
+    operands = align_for_mosaic(w_cand, e_cand, user_res, config)
+    fn = jax.jit(functools.partial(mosaic_kernel.fused_candidate_gemm,
+                                   num_rows=w_cand.shape[0], config=config))
     try:
       results[f"tile_k={tile_k},steps={steps}"] = common.median_ms(
-          fn, w, e_cand, user_res, index.cand_to_user, iterations=20)[0]
+          fn, *operands, index.cand_to_user, iterations=20)[0]
     except Exception as e:  # an over-budget config (shared memory) is reported, not fatal
       results[f"tile_k={tile_k},steps={steps}"] = f"{type(e).__name__}: {str(e)[:200]}"
   return results

@@ -45,7 +45,7 @@ def main() -> None:
   operands = [(jax.random.normal(k, s) / np.sqrt(s[-2] if len(s) == 3 else s[-1])).astype(dtype)
               for k, s in zip(keys, [(m, k_user), (m, k_cand), (args.users, k_user, n),
                                      (args.candidates, k_cand, n)])]
-  impl = default_implementation(dtype, args.users, args.candidates)
+  impl = default_implementation(dtype)
   baseline = jax.jit(lambda *a: linear_compression(*a, implementation="xla_materialized"))
   ikbo = jax.jit(lambda *a: linear_compression(*a, implementation=impl))
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ikbo_jax import _validation as v
+from ikbo_jax._padding import pad_to, pad_to_multiple, round_up
 from ikbo_jax import platform
 from ikbo_jax.index import CandidateIndex
 from ikbo_jax.kernels.mosaic_gpu import linear_compression as mosaic_kernel
@@ -25,37 +26,32 @@ IMPLEMENTATIONS = ("xla_materialized", "xla", "triton", "mosaic_gpu")
 _KERNELS = ("triton", "mosaic_gpu")
 
 
-def _round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
-
-
-def _pad_axis(x, axis: int, size: int):
-  if x.shape[axis] == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths)
-
-
 def _triton_forward(w_user, w_cand, e_user, e_cand, cand_to_user, *, interpret):
   user_res = xla.user_result(w_user, e_user)
   # 16-byte rows for the (small, L2-resident) weight; the masked K loop ignores the zeros.
-  w_cand = _pad_axis(w_cand, 1, _round_up(w_cand.shape[1], 8))
   return triton_kernel.fused_candidate_gemm(
-      w_cand, e_cand, user_res, cand_to_user, interpret=interpret)
+      pad_to_multiple(w_cand, 1, 8), e_cand, user_res, cand_to_user, interpret=interpret)
+
+
+def align_for_mosaic(w_cand, e_cand, user_res, config: mosaic_kernel.Config):
+  """Pads operands to the Mosaic GPU kernel's alignment contract (see its module docstring).
+
+  TMA tiles rows by 8 and the swizzled minor dim by 64 elements. The weight and
+  `user_res` are small; `e_cand` is padded only when its layout is misaligned,
+  and then it is a full copy: produce aligned embeddings upstream to avoid it.
+  """
+  e_cand = pad_to_multiple(pad_to_multiple(e_cand, 1, 8), 2, 64)
+  m_pad = round_up(w_cand.shape[0], 8)
+  w_cand = pad_to(pad_to(w_cand, 0, m_pad), 1, round_up(e_cand.shape[1], config.tile_k))
+  user_res = pad_to(pad_to(user_res, 1, m_pad), 2, e_cand.shape[2])
+  return w_cand, e_cand, user_res
 
 
 def _mosaic_forward(w_user, w_cand, e_user, e_cand, cand_to_user, *, interpret):
   config = mosaic_kernel.Config()
   m, n = w_cand.shape[0], e_cand.shape[2]
-  # TMA tiles rows by 8 and the swizzled minor dim by 64 elements. The weight
-  # and user_res are small and padded here; E_cand is padded only when its
-  # layout is misaligned (a full copy: produce aligned embeddings upstream to avoid it).
-  m_pad = _round_up(m, 8)
-  e_cand = _pad_axis(_pad_axis(e_cand, 1, _round_up(e_cand.shape[1], 8)), 2, _round_up(n, 64))
-  k_pad = _round_up(e_cand.shape[1], config.tile_k)
-  w_cand = _pad_axis(_pad_axis(w_cand, 0, m_pad), 1, k_pad)
-  user_res = _pad_axis(_pad_axis(xla.user_result(w_user, e_user), 1, m_pad), 2, e_cand.shape[2])
+  w_cand, e_cand, user_res = align_for_mosaic(
+      w_cand, e_cand, xla.user_result(w_user, e_user), config)
   out = mosaic_kernel.fused_candidate_gemm(
       w_cand, e_cand, user_res, cand_to_user, num_rows=m, config=config, interpret=interpret)
   return out if out.shape[2] == n else out[:, :, :n]
@@ -92,7 +88,7 @@ def _lce_bwd(implementation, interpret, num_users, residuals, d_out):
 _lce.defvjp(_lce_fwd, _lce_bwd)
 
 
-def default_implementation(dtype, num_users: int, num_candidates: int) -> str:
+def default_implementation(dtype) -> str:
   """The implementation `implementation=None` runs for these inputs on the default device."""
   if platform.default_platform() != "gpu" or jnp.dtype(dtype) == jnp.float32:
     return "xla"
@@ -165,7 +161,7 @@ def linear_compression(w_user, w_cand, e_user, e_cand, index: CandidateIndex, *,
   if implementation is None:
     if interpret:
       raise ValueError("interpret=True needs a named kernel implementation")
-    implementation = default_implementation(dtype, index.num_users, index.num_candidates)
+    implementation = default_implementation(dtype)
   _check_implementation(implementation, dtype, interpret)
   if checked:
     index.check()

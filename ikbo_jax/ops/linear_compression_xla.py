@@ -55,8 +55,8 @@ def sum_per_user(x, cand_to_user, num_users: int):
 def backward(w_user, w_cand, e_user, e_cand, cand_to_user, d_out, *, num_users: int):
   """Cotangents of all four float operands; no broadcast is ever materialized.
 
-  The user side first reduces `d_out` over each user's candidates (a segment
-  sum at batch B), then runs its two GEMMs at batch U.
+  The user side first reduces `d_out` over each user's candidates
+  (`sum_per_user`, at batch B), then runs its two GEMMs at batch U.
   """
   d_user = sum_per_user(d_out, cand_to_user, num_users)
   d_w_cand = jnp.einsum("bmn,bkn->mk", d_out, e_cand, preferred_element_type=_F32)
