@@ -14,9 +14,9 @@ import jax.numpy as jnp
 from benchmarks import common
 from benchmarks.linear_compression import PUBLISHED, _problem, pad_k
 from ikbo_jax._padding import pad_to_multiple
-from ikbo_jax.ops.linear_compression import align_for_mosaic
 from ikbo_jax.kernels.mosaic_gpu import linear_compression as mosaic_kernel
-from ikbo_jax.kernels.triton import linear_compression as triton_kernel
+from ikbo_jax.kernels.mosaic_gpu import weight_grad as weight_grad_kernel
+from ikbo_jax.ops import linear_compression_mosaic as mosaic
 from ikbo_jax.ops import linear_compression_xla as xla
 
 
@@ -24,22 +24,39 @@ def backward_parts(args, index, d_out):
   w_user, w_cand, e_user, e_cand = args
   ids, num_users = index.cand_to_user, index.num_users
   f32 = jnp.float32
+  e_aligned = mosaic.align_embeddings(e_cand)
+  d_aligned = pad_to_multiple(d_out, 1, 8)
+  config = mosaic_kernel.Config()
   parts = {
       "segment_sum_f32": (lambda d: jax.ops.segment_sum(d.astype(f32), ids, num_users), (d_out,)),
       "onehot_matmul": (lambda d: jnp.einsum(
           "ub,bmn->umn", jax.nn.one_hot(ids, num_users, dtype=d.dtype, axis=0), d,
           preferred_element_type=f32), (d_out,)),
-      "d_w_cand": (lambda d, e: jnp.einsum("bmn,bkn->mk", d, e, preferred_element_type=f32),
-                   (d_out, e_cand)),
+      "d_w_cand_einsum": (lambda d, e: jnp.einsum("bmn,bkn->mk", d, e, preferred_element_type=f32),
+                          (d_out, e_cand)),
+      "d_w_cand_mosaic_kernel": (weight_grad_kernel.weight_grad, (e_aligned, d_aligned)),
       "d_e_cand_einsum": (lambda w, d: jnp.einsum("mk,bmn->bkn", w, d), (w_cand, d_out)),
-      "d_e_cand_triton": (lambda w, d: triton_kernel.fused_candidate_gemm(
-          pad_to_multiple(w.T, 1, 8), d, jnp.zeros((1,) + e_cand.shape[1:], f32),
-          jnp.zeros(ids.shape, jnp.int32)), (w_cand, d_out)),
+      "d_e_cand_mosaic_kernel": (lambda w, d: mosaic_kernel.batched_gemm(
+          mosaic.align_weight(w.T, d.shape[1], config), d, num_rows=w.shape[1], config=config),
+          (w_cand, d_aligned)),
+      "pad_d_out": (lambda d: pad_to_multiple(d, 1, 8), (d_out,)),
       "full_xla_backward": (lambda *a: xla.backward(*a, num_users=num_users),
                             (*args, ids, d_out)),
+      "full_mosaic_backward": (lambda *a: mosaic.backward(*a, num_users=num_users, interpret=False),
+                               (w_user, w_cand, e_user, e_aligned, ids, d_out)),
   }
   return {name: common.median_ms(jax.jit(fn), *ops, iterations=20)[0]
           for name, (fn, ops) in parts.items()}
+
+
+# Forward tile configs: consumers side by side along M (sharing the E tile) or N.
+FORWARD_CONFIGS = {
+    "split=m,64x256,steps=4": mosaic_kernel.Config(),
+    "split=m,64x256,steps=3": mosaic_kernel.Config(max_concurrent_steps=3),
+    "split=n,64x128,steps=4": mosaic_kernel.Config(tile_n=128, split="n"),
+    "split=n,64x128,steps=6": mosaic_kernel.Config(tile_n=128, split="n", max_concurrent_steps=6),
+    "split=m,64x256,steps=4,delay=1": mosaic_kernel.Config(delay_release=1),
+}
 
 
 def mosaic_configs(args, index):
@@ -47,16 +64,15 @@ def mosaic_configs(args, index):
   w_user, w_cand, e_user, e_cand = [pad_k(a) for a in args]
   user_res = xla.user_result(w_user, e_user)
   results = {}
-  for tile_k, steps in ((64, 3), (64, 2), (32, 6), (32, 4), (128, 1)):
-    config = mosaic_kernel.Config(tile_k=tile_k, max_concurrent_steps=steps)
-    operands = align_for_mosaic(w_cand, e_cand, user_res, config)
-    fn = jax.jit(functools.partial(mosaic_kernel.fused_candidate_gemm,
+  for name, config in FORWARD_CONFIGS.items():
+    operands = (mosaic.align_weight(w_cand, e_cand.shape[1], config), e_cand,
+                mosaic.align_user_res(user_res, config), index.cand_to_user)
+    fn = jax.jit(functools.partial(mosaic_kernel.batched_gemm,
                                    num_rows=w_cand.shape[0], config=config))
     try:
-      results[f"tile_k={tile_k},steps={steps}"] = common.median_ms(
-          fn, *operands, index.cand_to_user, iterations=20)[0]
+      results[name] = common.median_ms(fn, *operands, iterations=20)[0]
     except Exception as e:  # an over-budget config (shared memory) is reported, not fatal
-      results[f"tile_k={tile_k},steps={steps}"] = f"{type(e).__name__}: {str(e)[:200]}"
+      results[name] = f"{type(e).__name__}: {str(e)[:200]}"
   return results
 
 

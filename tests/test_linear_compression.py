@@ -182,8 +182,8 @@ def _abstract_h200():
 
 
 @pytest.mark.parametrize("k_cand", [866, 872])
-def test_mosaic_gpu_lowers_for_h200_at_benchmark_shape(k_cand, monkeypatch):
-  """Real CUDA lowering of the kernel configuration the benchmark runs, without a GPU."""
+def test_mosaic_gpu_forward_and_backward_lower_for_h200_at_benchmark_shape(k_cand, monkeypatch):
+  """Real CUDA lowering of the kernel configurations the benchmark runs, without a GPU."""
   from ikbo_jax import platform
   monkeypatch.setattr(platform, "default_platform", lambda: "gpu")
   monkeypatch.setattr(platform, "is_hopper", lambda: True)
@@ -194,10 +194,14 @@ def test_mosaic_gpu_lowers_for_h200_at_benchmark_shape(k_cand, monkeypatch):
       (shape["num_candidates"], k_cand, shape["n"]))]
   index = CandidateIndex.from_counts(np.full(16, 64))
   index = CandidateIndex.from_mapping(index.cand_to_user % 15, 15)
+  d_out = jax.ShapeDtypeStruct((shape["num_candidates"], shape["m"], shape["n"]), jnp.bfloat16)
+  op = lambda *a: linear_compression(*a, index, implementation="mosaic_gpu")
+  fwd_bwd = lambda d, *a: jax.vjp(op, *a)[1](d)
   with _abstract_h200():
-    fn = jax.jit(lambda *a: linear_compression(*a, index, implementation="mosaic_gpu"))
-    text = fn.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    bwd_text = jax.jit(fwd_bwd).trace(d_out, *specs).lower(lowering_platforms=("cuda",)).as_text()
   assert "ikbo_linear_compression_mosaic_gpu" in text
+  assert "ikbo_linear_compression_weight_grad_mosaic_gpu" in bwd_text
 
 
 @pytest.mark.gpu
@@ -209,6 +213,24 @@ def test_gpu_benchmark_shape(implementation, k_cand):
   args = random_lce_args(11, BENCH_SHAPE["m"], BENCH_SHAPE["k_user"], k_cand, BENCH_SHAPE["n"],
                          15, 1023, jnp.bfloat16)
   _check(implementation, jnp.bfloat16, args, index, interpret=False)
+
+
+@pytest.mark.gpu
+def test_gpu_mosaic_gradients_at_benchmark_shape():
+  """Every cotangent of the Mosaic path within 2x the same-precision XLA error."""
+  rng = np.random.default_rng(14)
+  index = random_index(rng, 15, 1023, empty_users=1)
+  args = random_lce_args(14, BENCH_SHAPE["m"], BENCH_SHAPE["k_user"], BENCH_SHAPE["k_cand"],
+                         BENCH_SHAPE["n"], 15, 1023, jnp.bfloat16)
+  d_out = jax.random.normal(jax.random.key(15), (1023, BENCH_SHAPE["m"], BENCH_SHAPE["n"]),
+                            jnp.bfloat16)
+  vjp = lambda impl, a, d: jax.vjp(
+      lambda *x: linear_compression(*x, index, implementation=impl), *a)[1](d)
+  grads = vjp("mosaic_gpu", args, d_out)
+  same_precision = vjp("xla_materialized", args, d_out)
+  f32 = vjp("xla_materialized", [a.astype(jnp.float32) for a in args], d_out.astype(jnp.float32))
+  for g, s, r in zip(grads, same_precision, f32):
+    assert_within_reference_error(g, s, r, floor=1e-4)
 
 
 @pytest.mark.gpu

@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 
 from ikbo_jax import _validation as v
-from ikbo_jax._padding import pad_to, pad_to_multiple, round_up
+from ikbo_jax._padding import pad_to_multiple
 from ikbo_jax import platform
 from ikbo_jax.index import CandidateIndex
-from ikbo_jax.kernels.mosaic_gpu import linear_compression as mosaic_kernel
 from ikbo_jax.kernels.triton import linear_compression as triton_kernel
+from ikbo_jax.ops import linear_compression_mosaic as mosaic
 from ikbo_jax.ops import linear_compression_xla as xla
 
 Implementation = Literal["xla_materialized", "xla", "triton", "mosaic_gpu"]
@@ -33,30 +33,6 @@ def _triton_forward(w_user, w_cand, e_user, e_cand, cand_to_user, *, interpret):
       pad_to_multiple(w_cand, 1, 8), e_cand, user_res, cand_to_user, interpret=interpret)
 
 
-def align_for_mosaic(w_cand, e_cand, user_res, config: mosaic_kernel.Config):
-  """Pads operands to the Mosaic GPU kernel's alignment contract (see its module docstring).
-
-  TMA tiles rows by 8 and the swizzled minor dim by 64 elements. The weight and
-  `user_res` are small; `e_cand` is padded only when its layout is misaligned,
-  and then it is a full copy: produce aligned embeddings upstream to avoid it.
-  """
-  e_cand = pad_to_multiple(pad_to_multiple(e_cand, 1, 8), 2, 64)
-  m_pad = round_up(w_cand.shape[0], 8)
-  w_cand = pad_to(pad_to(w_cand, 0, m_pad), 1, round_up(e_cand.shape[1], config.tile_k))
-  user_res = pad_to(pad_to(user_res, 1, m_pad), 2, e_cand.shape[2])
-  return w_cand, e_cand, user_res
-
-
-def _mosaic_forward(w_user, w_cand, e_user, e_cand, cand_to_user, *, interpret):
-  config = mosaic_kernel.Config()
-  m, n = w_cand.shape[0], e_cand.shape[2]
-  w_cand, e_cand, user_res = align_for_mosaic(
-      w_cand, e_cand, xla.user_result(w_user, e_user), config)
-  out = mosaic_kernel.fused_candidate_gemm(
-      w_cand, e_cand, user_res, cand_to_user, num_rows=m, config=config, interpret=interpret)
-  return out if out.shape[2] == n else out[:, :, :n]
-
-
 def _forward(implementation: str, interpret: bool, *args):
   match implementation:
     case "xla_materialized":
@@ -66,7 +42,7 @@ def _forward(implementation: str, interpret: bool, *args):
     case "triton":
       return _triton_forward(*args, interpret=interpret)
     case "mosaic_gpu":
-      return _mosaic_forward(*args, interpret=interpret)
+      return mosaic.forward(*args, interpret=interpret)[0]
   raise AssertionError(implementation)
 
 
@@ -76,12 +52,19 @@ def _lce(implementation, interpret, num_users, w_user, w_cand, e_user, e_cand, c
 
 
 def _lce_fwd(implementation, interpret, num_users, *args):
+  if implementation == "mosaic_gpu":
+    # The backward kernels reuse the aligned copy of e_cand the forward made.
+    w_user, w_cand, e_user, _, cand_to_user = args
+    out, e_cand_aligned = mosaic.forward(*args, interpret=interpret)
+    return out, (w_user, w_cand, e_user, e_cand_aligned, cand_to_user)
   return _forward(implementation, interpret, *args), args
 
 
 def _lce_bwd(implementation, interpret, num_users, residuals, d_out):
-  del implementation, interpret
-  grads = xla.backward(*residuals, d_out, num_users=num_users)
+  if implementation == "mosaic_gpu":
+    grads = mosaic.backward(*residuals, d_out, num_users=num_users, interpret=interpret)
+  else:
+    grads = xla.backward(*residuals, d_out, num_users=num_users)
   return (*grads, None)
 
 

@@ -52,17 +52,22 @@ def sum_per_user(x, cand_to_user, num_users: int):
   return jax.ops.segment_sum(x.astype(_F32), cand_to_user, num_segments=num_users)
 
 
+def user_backward(w_user, e_user, cand_to_user, d_out, *, num_users: int):
+  """Cotangents of `w_user` and `e_user`: reduce `d_out` per user, then two GEMMs at batch U."""
+  d_user = sum_per_user(d_out, cand_to_user, num_users)
+  highest = jax.lax.Precision.HIGHEST
+  d_w_user = jnp.einsum("umn,ukn->mk", d_user, e_user.astype(_F32), precision=highest)
+  d_e_user = jnp.einsum("mk,umn->ukn", w_user.astype(_F32), d_user, precision=highest)
+  return d_w_user.astype(w_user.dtype), d_e_user.astype(e_user.dtype)
+
+
 def backward(w_user, w_cand, e_user, e_cand, cand_to_user, d_out, *, num_users: int):
   """Cotangents of all four float operands; no broadcast is ever materialized.
 
   The user side first reduces `d_out` over each user's candidates
   (`sum_per_user`, at batch B), then runs its two GEMMs at batch U.
   """
-  d_user = sum_per_user(d_out, cand_to_user, num_users)
+  d_w_user, d_e_user = user_backward(w_user, e_user, cand_to_user, d_out, num_users=num_users)
   d_w_cand = jnp.einsum("bmn,bkn->mk", d_out, e_cand, preferred_element_type=_F32)
   d_e_cand = jnp.einsum("mk,bmn->bkn", w_cand, d_out, preferred_element_type=_F32)
-  highest = jax.lax.Precision.HIGHEST
-  d_w_user = jnp.einsum("umn,ukn->mk", d_user, e_user.astype(_F32), precision=highest)
-  d_e_user = jnp.einsum("mk,umn->ukn", w_user.astype(_F32), d_user, precision=highest)
-  return (d_w_user.astype(w_user.dtype), d_w_cand.astype(w_cand.dtype),
-          d_e_user.astype(e_user.dtype), d_e_cand.astype(e_cand.dtype))
+  return d_w_user, d_w_cand.astype(w_cand.dtype), d_e_user, d_e_cand.astype(e_cand.dtype)

@@ -1,29 +1,37 @@
 """Fused candidate GEMM of linear compression, Pallas Mosaic GPU backend (Hopper).
 
-Computes `out[b] = W_cand @ E_cand[b] + user_res[cand_to_user[b]]` in one
-persistent, warp-specialized launch: one CTA per SM loops over output tiles
-`(b, m, n)`; a producer warpgroup streams `W_cand` and `E_cand[b]` K-tiles
-through shared memory with TMA, two consumer warpgroups (one per half of the
-tile's N extent) run WGMMA into float32 accumulators. Each consumer prefetches
-its float32 tile of `user_res[cand_to_user[b]]` with TMA when the tile starts,
-and the epilogue adds it to the accumulator before the single rounding, then
-stores through shared memory with TMA. The user rows are addressed by index:
-no broadcast of `user_res` to the candidate batch exists.
+Computes `out[b] = A @ E[b] + user_res[cand_to_user[b]]` in one persistent,
+warp-specialized launch. In the forward pass `A = W_cand` and `E = E_cand`; the
+backward reuses the kernel without the user term for `dE_cand[b] = W_cand^T @
+dOut[b]`.
+
+One CTA per SM loops over output tiles `(b, m, n)`, `b` outermost so that the
+CTAs running at one time share `E[b]` in L2. A producer warpgroup streams `A`
+and `E[b]` K-tiles through shared memory with TMA; two consumer warpgroups, one
+per half of the tile's M extent, run WGMMA into float32 accumulators. Splitting
+M rather than N lets both consumers read the same `E[b]` tile, which is the
+operand that dominates traffic. Each consumer's accumulator starts from its
+tile of `user_res[cand_to_user[b]]`, loaded from global memory straight into
+the WGMMA register layout, so the user rows are added in float32 before the
+single rounding, without shared memory and without any broadcast of `user_res`
+to the candidate batch.
 
 Ragged M and the K tail rely on TMA bounds handling: loads past the end of a
 dimension read zeros and stores past it are dropped, per dimension of the
 `[B, M, N]` / `[B, K, N]` tensors, so one candidate's tile never touches its
 neighbour's rows. The swizzled TMA tiles need the tiled dimensions of every
-global operand to be multiples of the tile (8 rows, 64 bf16 columns), hence the
-caller pads `W_cand` (to `tile_k` columns) and `user_res`, and passes `E_cand`
-with K a multiple of 8 and N of 64. The output is stored with a row tiling of 1,
-so M needs no padding there.
+operand loaded through them to be multiples of the tile (8 rows, 64 columns),
+hence `A` is padded by the caller (to `tile_k` columns), and `E` must have K a
+multiple of 8 and N of 64. `user_res` is read with plain loads, so it is padded
+to whole CTA tiles. The output is stored with a row tiling of 1, so M needs no
+padding there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -31,61 +39,68 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-_NUM_CONSUMERS = 2  # consumer warpgroups; the producer is the third.
+from ikbo_jax._padding import round_up
+from ikbo_jax.kernels.mosaic_gpu.common import (
+    NUM_CONSUMERS, PRODUCER_REGISTERS, compiler_params, interpret_params,
+    num_sms, smem_transforms)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Tile sizes of one CTA: `tile_m x (2 * tile_n)`, each consumer owning `tile_m x tile_n`."""
+  """Tiling of one CTA: each consumer computes `tile_m x tile_n`.
+
+  `split` says along which dimension the two consumers' tiles sit side by side
+  ("m": they share the `E[b]` tile, "n": they share the `A` tile).
+  `delay_release` keeps that many WGMMA groups in flight before a shared
+  memory slot is handed back to the producer.
+  """
 
   tile_m: int = 64
-  tile_n: int = 128
+  tile_n: int = 256
   tile_k: int = 64
-  max_concurrent_steps: int = 3
+  max_concurrent_steps: int = 4
   epi_tile_n: int = 64
+  split: Literal["m", "n"] = "m"
+  delay_release: int = 0
+
+  @property
+  def cta_tile_m(self) -> int:
+    return self.tile_m * (NUM_CONSUMERS if self.split == "m" else 1)
 
   @property
   def cta_tile_n(self) -> int:
-    return _NUM_CONSUMERS * self.tile_n
+    return self.tile_n * (NUM_CONSUMERS if self.split == "n" else 1)
+
+  def for_n(self, n: int) -> Config:
+    """This config with the CTA's N extent shrunk to N rounded up to 64, when N is smaller."""
+    cta_tile_n = min(self.cta_tile_n, round_up(n, 64 * NUM_CONSUMERS if self.split == "n" else 64))
+    return dataclasses.replace(self, tile_n=cta_tile_n * self.tile_n // self.cta_tile_n)
 
 
-def _smem_transforms(minor_elems: int, dtype, rows: int = 8) -> tuple:
-  swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
-  swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
-  return plgpu.TilingTransform((rows, swizzle_elems)), plgpu.SwizzleTransform(swizzle)
-
-
-def _num_sms(interpret: bool) -> int:
-  if interpret:
-    return 2  # A few simulated SMs keep the persistent loop honest and the interpreter fast.
-  if abstract_device := jax.sharding.get_abstract_mesh().abstract_device:
-    return abstract_device.num_cores
-  return jax.devices()[0].core_count
-
-
-def _kernel(cand_to_user_gmem, w_gmem, e_gmem, user_res_gmem, out_gmem, *, config: Config):
+def _kernel(cand_to_user_gmem, a_gmem, e_gmem, *user_res_and_out, config: Config):
+  user_res_gmem, out_gmem = (None, *user_res_and_out) if len(user_res_and_out) == 1 else (
+      user_res_and_out)
   num_cands, k, n = e_gmem.shape
   m = out_gmem.shape[1]
-  dtype, out_dtype = e_gmem.dtype, out_gmem.dtype
+  out_dtype = out_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
-  cta_tile_n, epi_tile_n = config.cta_tile_n, config.epi_tile_n
-  m_iters, n_iters = pl.cdiv(m, tile_m), pl.cdiv(n, cta_tile_n)
-  k_iters = pl.cdiv(k, tile_k)
-  in_transforms = _smem_transforms(tile_k, dtype)
+  cta_tile_m, cta_tile_n, epi_tile_n = config.cta_tile_m, config.cta_tile_n, config.epi_tile_n
+  m_iters, n_iters = pl.cdiv(m, cta_tile_m), pl.cdiv(n, cta_tile_n)
+  in_transforms = smem_transforms(tile_k, e_gmem.dtype)
 
   def pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
         body,
-        grid=(k_iters,),
-        memory_registers=40,
+        grid=(pl.cdiv(k, tile_k),),
+        memory_registers=PRODUCER_REGISTERS,
         in_specs=[
-            plgpu.BlockSpec((tile_m, tile_k), lambda kk: (0, kk),
-                            transforms=in_transforms),
+            plgpu.BlockSpec((cta_tile_m, tile_k), lambda kk: (0, kk),
+                            transforms=in_transforms, delay_release=config.delay_release),
             plgpu.BlockSpec((tile_k, cta_tile_n), lambda kk: (kk, 0),
-                            transforms=in_transforms),
+                            transforms=in_transforms, delay_release=config.delay_release),
         ],
         wg_axis="wg",
-        num_compute_wgs=_NUM_CONSUMERS,
+        num_compute_wgs=NUM_CONSUMERS,
         max_concurrent_steps=config.max_concurrent_steps,
         compute_context=compute_context,
     )
@@ -94,86 +109,82 @@ def _kernel(cand_to_user_gmem, w_gmem, e_gmem, user_res_gmem, out_gmem, *, confi
 
   @functools.partial(
       pl.run_scoped,
-      pipeline_allocs=pipeline(ignore, ignore).get_allocations(w_gmem, e_gmem.at[0]),
-      user_smem=plgpu.SMEM((_NUM_CONSUMERS, tile_m, tile_n), jnp.float32,
-                           transforms=_smem_transforms(tile_n, jnp.float32)),
+      pipeline_allocs=pipeline(ignore, ignore).get_allocations(a_gmem, e_gmem.at[0]),
       # Row tiling of 1: a tiling of 8 rows would require M % 8 == 0 in `out`.
-      out_smem=plgpu.SMEM((_NUM_CONSUMERS, 2, tile_m, epi_tile_n), out_dtype,
-                          transforms=_smem_transforms(epi_tile_n, out_dtype, rows=1)),
-      user_barrier=plgpu.Barrier(num_barriers=_NUM_CONSUMERS),
+      out_smem=plgpu.SMEM((NUM_CONSUMERS, 2, tile_m, epi_tile_n), out_dtype,
+                          transforms=smem_transforms(epi_tile_n, out_dtype, rows=1)),
       collective_axes="wg",
   )
-  def _scope(pipeline_allocs, user_smem, out_smem, user_barrier):
+  def _scope(pipeline_allocs, out_smem):
     wg = lax.axis_index("wg")
 
     @plgpu.nd_loop((num_cands, m_iters, n_iters), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
       b, mi, ni = loop_info.index
-      user = cand_to_user_gmem[b]
-      m_slice = pl.ds(mi * tile_m, tile_m)
-      cta_n_slice = pl.ds(ni * cta_tile_n, cta_tile_n)
-      wg_n_slice = pl.ds(ni * cta_tile_n + wg * tile_n, tile_n)
+      # This consumer's offsets inside the CTA tile.
+      wg_m, wg_n = (wg * tile_m, 0) if config.split == "m" else (0, wg * tile_n)
+      wg_m_slice = pl.ds(mi * cta_tile_m + wg_m, tile_m)
 
       def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-        def _acc_scope(acc_ref):
-          # The user tile lands while the K loop runs; only the epilogue waits for it.
-          plgpu.copy_gmem_to_smem(
-              user_res_gmem.at[user, m_slice, wg_n_slice],
-              user_smem.at[wg], user_barrier.at[wg])
+        def acc(acc_ref):
           eval_pipeline(acc_ref)
-          plgpu.barrier_wait(user_barrier.at[wg])
-          acc = acc_ref[...] + user_smem[wg]
-          for epi in range(tile_n // epi_tile_n):
-            slot = epi % 2
-            epi_slice = slice(epi * epi_tile_n, (epi + 1) * epi_tile_n)
-            # The slot's previous TMA store must have read it before we overwrite.
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            out_smem[wg, slot] = acc[:, epi_slice].astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                out_smem.at[wg, slot],
-                out_gmem.at[b, m_slice,
-                            pl.ds(ni * cta_tile_n + wg * tile_n + epi * epi_tile_n,
-                                  epi_tile_n)])
+          return acc_ref[...]
 
-      def mma_step(_, w_smem, e_smem, acc_ref):
-        plgpu.wgmma(acc_ref, w_smem, e_smem.at[:, pl.ds(wg * tile_n, tile_n)])
-        plgpu.wgmma_wait(0)
+        for epi in range(tile_n // epi_tile_n):
+          slot = epi % 2
+          epi_n_slice = pl.ds(ni * cta_tile_n + wg_n + epi * epi_tile_n, epi_tile_n)
+          out_tile = acc[:, epi * epi_tile_n:(epi + 1) * epi_tile_n]
+          if user_res_gmem is not None:
+            # Plain loads, chunk by chunk: a whole user tile would double the live registers.
+            user_tile = user_res_gmem.at[cand_to_user_gmem[b], wg_m_slice, epi_n_slice]
+            out_tile += plgpu.load(user_tile, layout=plgpu.Layout.WGMMA, optimized=False)
+          # The slot's previous TMA store must have read it before we overwrite.
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+          out_smem[wg, slot] = out_tile.astype(out_dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_gmem.at[b, wg_m_slice, epi_n_slice])
+
+      def mma_step(_, a_smem, e_smem, acc_ref):
+        plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg_m, tile_m)], e_smem.at[:, pl.ds(wg_n, tile_n)])
+        plgpu.wgmma_wait(config.delay_release)
         return acc_ref
 
       pipeline(mma_step, compute_context)(
-          w_gmem.at[m_slice, :], e_gmem.at[b, :, cta_n_slice],
+          a_gmem.at[pl.ds(mi * cta_tile_m, cta_tile_m), :],
+          e_gmem.at[b, :, pl.ds(ni * cta_tile_n, cta_tile_n)],
           allocations=pipeline_allocs)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def fused_candidate_gemm(w_cand, e_cand, user_res, cand_to_user, *, num_rows: int,
-                         config: Config = Config(), interpret: bool = False):
-  """`out[b] = W_cand @ E_cand[b] + user_res[cand_to_user[b]]`, rounded once.
+def batched_gemm(a, e, user_res=None, cand_to_user=None, *, num_rows: int,
+                 config: Config = Config(), interpret: bool = False):
+  """`out[b] = a @ e[b] + user_res[cand_to_user[b]]` (or without the user term), rounded once.
 
   Args:
-    w_cand: `[M_p, K_w]`, `M_p >= num_rows` and `K_w >= K` multiples of 8, zero past K.
-    e_cand: `[B, K, N]`, bfloat16 or float16, K a multiple of 8, N of 64.
-    user_res: `[U, M_p, N]` float32.
-    cand_to_user: `int32[B]`, values in `[0, U)`.
-    config: tile sizes.
+    a: `[M_p, K_a]`, `M_p >= num_rows` and `K_a >= K` multiples of 8, zero past K.
+    e: `[B, K, N]`, bfloat16 or float16, K a multiple of 8, N of 64.
+    user_res: None or `[U, M_u, N_u]` float32 with `M_u` and `N_u` whole CTA
+      tiles (`config.cta_tile_m`, `config.cta_tile_n`).
+    cand_to_user: `int32[B]` with values in `[0, U)`; needed with `user_res`.
     num_rows: M, the rows of the output.
+    config: tile sizes.
     interpret: run under the Mosaic GPU interpreter (CPU testing).
   """
-  num_cands, _, n = e_cand.shape
-  m = num_rows
+  num_cands, _, n = e.shape
+  if user_res is None:
+    cand_to_user = jnp.zeros((1,), jnp.int32)  # unused; keeps one kernel signature
   out = plgpu.kernel(
       functools.partial(_kernel, config=config),
-      out_type=jax.ShapeDtypeStruct((num_cands, m, n), e_cand.dtype),
-      grid=(_num_sms(interpret),),
+      out_type=jax.ShapeDtypeStruct((num_cands, num_rows, n), e.dtype),
+      grid=(num_sms(interpret),),
       grid_names=("sm",),
-      num_threads=_NUM_CONSUMERS + 1,
+      num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      compiler_params=compiler_params(),
+      interpret=interpret_params(interpret),
       kernel_name="ikbo_linear_compression_mosaic_gpu",
   )
-  return out(cand_to_user, w_cand, e_cand, user_res)
+  user_operand = () if user_res is None else (user_res,)
+  return out(cand_to_user, a, e, *user_operand)
