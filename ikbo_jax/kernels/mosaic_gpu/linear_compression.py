@@ -52,7 +52,9 @@ class Config:
   `split` says along which dimension the two consumers' tiles sit side by side
   ("m": they share the `E[b]` tile, "n": they share the `A` tile).
   `delay_release` keeps that many WGMMA groups in flight before a shared
-  memory slot is handed back to the producer.
+  memory slot is handed back to the producer. `half_tail` (split "m" only):
+  when the last M tile has at most `tile_m` live rows, its consumers split N
+  instead, so no consumer multiplies only padding rows.
   """
 
   tile_m: int = 64
@@ -62,6 +64,12 @@ class Config:
   epi_tile_n: int = 64
   split: Literal["m", "n"] = "m"
   delay_release: int = 0
+  half_tail: bool = True
+
+  def half_tail_applies(self, m: int) -> bool:
+    """Whether the last M tile (at most `tile_m` live rows) splits N between the consumers."""
+    return (self.split == "m" and self.half_tail and 0 < m % self.cta_tile_m <= self.tile_m
+            and (self.tile_n // 2) % self.epi_tile_n == 0)
 
   @property
   def cta_tile_m(self) -> int:
@@ -121,39 +129,52 @@ def _kernel(cand_to_user_gmem, a_gmem, e_gmem, *user_res_and_out, config: Config
     @plgpu.nd_loop((num_cands, m_iters, n_iters), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
       b, mi, ni = loop_info.index
-      # This consumer's offsets inside the CTA tile.
-      wg_m, wg_n = (wg * tile_m, 0) if config.split == "m" else (0, wg * tile_n)
-      wg_m_slice = pl.ds(mi * cta_tile_m + wg_m, tile_m)
 
-      def compute_context(eval_pipeline):
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-        def acc(acc_ref):
-          eval_pipeline(acc_ref)
-          return acc_ref[...]
+      def emit_tile(wg_m, wg_n, wg_tile_n):
+        """One CTA tile; this consumer owns rows `wg_m` and columns `wg_n` of it."""
+        wg_m_slice = pl.ds(mi * cta_tile_m + wg_m, tile_m)
 
-        for epi in range(tile_n // epi_tile_n):
-          slot = epi % 2
-          epi_n_slice = pl.ds(ni * cta_tile_n + wg_n + epi * epi_tile_n, epi_tile_n)
-          out_tile = acc[:, epi * epi_tile_n:(epi + 1) * epi_tile_n]
-          if user_res_gmem is not None:
-            # Plain loads, chunk by chunk: a whole user tile would double the live registers.
-            user_tile = user_res_gmem.at[cand_to_user_gmem[b], wg_m_slice, epi_n_slice]
-            out_tile += plgpu.load(user_tile, layout=plgpu.Layout.WGMMA, optimized=False)
-          # The slot's previous TMA store must have read it before we overwrite.
-          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-          out_smem[wg, slot] = out_tile.astype(out_dtype)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_gmem.at[b, wg_m_slice, epi_n_slice])
+        def compute_context(eval_pipeline):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, wg_tile_n), jnp.float32))
+          def acc(acc_ref):
+            eval_pipeline(acc_ref)
+            return acc_ref[...]
 
-      def mma_step(_, a_smem, e_smem, acc_ref):
-        plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg_m, tile_m)], e_smem.at[:, pl.ds(wg_n, tile_n)])
-        plgpu.wgmma_wait(config.delay_release)
-        return acc_ref
+          for epi in range(wg_tile_n // epi_tile_n):
+            slot = epi % 2
+            epi_n_slice = pl.ds(ni * cta_tile_n + wg_n + epi * epi_tile_n, epi_tile_n)
+            out_tile = acc[:, epi * epi_tile_n:(epi + 1) * epi_tile_n]
+            if user_res_gmem is not None:
+              # Plain loads, chunk by chunk: a whole user tile would double the live registers.
+              user_tile = user_res_gmem.at[cand_to_user_gmem[b], wg_m_slice, epi_n_slice]
+              out_tile += plgpu.load(user_tile, layout=plgpu.Layout.WGMMA, optimized=False)
+            # The slot's previous TMA store must have read it before we overwrite.
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            out_smem[wg, slot] = out_tile.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
+                                    out_gmem.at[b, wg_m_slice, epi_n_slice])
 
-      pipeline(mma_step, compute_context)(
-          a_gmem.at[pl.ds(mi * cta_tile_m, cta_tile_m), :],
-          e_gmem.at[b, :, pl.ds(ni * cta_tile_n, cta_tile_n)],
-          allocations=pipeline_allocs)
+        def mma_step(_, a_smem, e_smem, acc_ref):
+          plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg_m, tile_m)],
+                      e_smem.at[:, pl.ds(wg_n, wg_tile_n)])
+          plgpu.wgmma_wait(config.delay_release)
+          return acc_ref
+
+        pipeline(mma_step, compute_context)(
+            a_gmem.at[pl.ds(mi * cta_tile_m, cta_tile_m), :],
+            e_gmem.at[b, :, pl.ds(ni * cta_tile_n, cta_tile_n)],
+            allocations=pipeline_allocs)
+
+      if config.split == "n":
+        emit_tile(0, wg * tile_n, tile_n)
+      elif not config.half_tail_applies(m):
+        emit_tile(wg * tile_m, 0, tile_n)
+      else:
+        is_tail = mi == m_iters - 1
+        pl.when(jnp.logical_not(is_tail))(lambda: emit_tile(wg * tile_m, 0, tile_n))
+        # The last M tile has at most `tile_m` live rows: the consumers split its N instead.
+        pl.when(is_tail)(lambda: emit_tile(0, wg * (tile_n // 2), tile_n // 2))
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
