@@ -52,6 +52,7 @@ def backward_parts(args, index, d_out):
 # Forward tile configs: consumers side by side along M (sharing the E tile) or N.
 FORWARD_CONFIGS = {
     "split=m,64x256,steps=4": mosaic_kernel.Config(),
+    "split=m,64x256,steps=4,no_half_tail": mosaic_kernel.Config(half_tail=False),
     "split=m,64x256,steps=3": mosaic_kernel.Config(max_concurrent_steps=3),
     "split=n,64x128,steps=4": mosaic_kernel.Config(tile_n=128, split="n"),
     "split=n,64x128,steps=6": mosaic_kernel.Config(tile_n=128, split="n", max_concurrent_steps=6),
