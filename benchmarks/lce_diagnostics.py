@@ -51,11 +51,12 @@ def backward_parts(args, index, d_out):
 
 # Forward tile configs: consumers side by side along M (sharing the E tile) or N.
 FORWARD_CONFIGS = {
-    "split=m,64x256,steps=4": mosaic_kernel.Config(),
-    "split=m,64x256,steps=4,no_half_tail": mosaic_kernel.Config(half_tail=False),
+    "default: split=m,64x256,steps=4,epi=64": mosaic_kernel.Config(),
     "split=m,64x256,steps=3": mosaic_kernel.Config(max_concurrent_steps=3),
+    "split=m,64x256,steps=4,epi=32": mosaic_kernel.Config(epi_tile_n=32),
+    "split=m,64x256,steps=3,epi=128": mosaic_kernel.Config(max_concurrent_steps=3,
+                                                           epi_tile_n=128),
     "split=n,64x128,steps=4": mosaic_kernel.Config(tile_n=128, split="n"),
-    "split=n,64x128,steps=6": mosaic_kernel.Config(tile_n=128, split="n", max_concurrent_steps=6),
     "split=m,64x256,steps=4,delay=1": mosaic_kernel.Config(delay_release=1),
 }
 

@@ -10,11 +10,12 @@ CTAs running at one time share `E[b]` in L2. A producer warpgroup streams `A`
 and `E[b]` K-tiles through shared memory with TMA; two consumer warpgroups, one
 per half of the tile's M extent, run WGMMA into float32 accumulators. Splitting
 M rather than N lets both consumers read the same `E[b]` tile, which is the
-operand that dominates traffic. Each consumer's accumulator starts from its
-tile of `user_res[cand_to_user[b]]`, loaded from global memory straight into
-the WGMMA register layout, so the user rows are added in float32 before the
-single rounding, without shared memory and without any broadcast of `user_res`
-to the candidate batch.
+operand that dominates traffic. In the epilogue each consumer adds its tile
+of `user_res[cand_to_user[b]]` to the float32 accumulator before the single
+rounding. The user rows are loaded from global memory straight into the WGMMA
+register layout, one chunk ahead (the first during the K loop), so the
+epilogue does not stall on them; no shared memory and no broadcast of
+`user_res` to the candidate batch is involved.
 
 Ragged M and the K tail rely on TMA bounds handling: loads past the end of a
 dimension read zeros and stores past it are dropped, per dimension of the
@@ -52,9 +53,7 @@ class Config:
   `split` says along which dimension the two consumers' tiles sit side by side
   ("m": they share the `E[b]` tile, "n": they share the `A` tile).
   `delay_release` keeps that many WGMMA groups in flight before a shared
-  memory slot is handed back to the producer. `half_tail` (split "m" only):
-  when the last M tile has at most `tile_m` live rows, its consumers split N
-  instead, so no consumer multiplies only padding rows.
+  memory slot is handed back to the producer.
   """
 
   tile_m: int = 64
@@ -64,12 +63,6 @@ class Config:
   epi_tile_n: int = 64
   split: Literal["m", "n"] = "m"
   delay_release: int = 0
-  half_tail: bool = True
-
-  def half_tail_applies(self, m: int) -> bool:
-    """Whether the last M tile (at most `tile_m` live rows) splits N between the consumers."""
-    return (self.split == "m" and self.half_tail and 0 < m % self.cta_tile_m <= self.tile_m
-            and (self.tile_n // 2) % self.epi_tile_n == 0)
 
   @property
   def cta_tile_m(self) -> int:
@@ -130,51 +123,55 @@ def _kernel(cand_to_user_gmem, a_gmem, e_gmem, *user_res_and_out, config: Config
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
       b, mi, ni = loop_info.index
 
-      def emit_tile(wg_m, wg_n, wg_tile_n):
-        """One CTA tile; this consumer owns rows `wg_m` and columns `wg_n` of it."""
-        wg_m_slice = pl.ds(mi * cta_tile_m + wg_m, tile_m)
+      # This consumer's offsets inside the CTA tile.
+      wg_m, wg_n = (wg * tile_m, 0) if config.split == "m" else (0, wg * tile_n)
+      wg_m_slice = pl.ds(mi * cta_tile_m + wg_m, tile_m)
 
-        def compute_context(eval_pipeline):
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, wg_tile_n), jnp.float32))
-          def acc(acc_ref):
-            eval_pipeline(acc_ref)
-            return acc_ref[...]
+      def compute_context(eval_pipeline):
+        num_epi = tile_n // epi_tile_n
+        user_tile = None if user_res_gmem is None else user_res_gmem.at[
+            cand_to_user_gmem[b], wg_m_slice, pl.ds(ni * cta_tile_n + wg_n, tile_n)]
 
-          for epi in range(wg_tile_n // epi_tile_n):
-            slot = epi % 2
-            epi_n_slice = pl.ds(ni * cta_tile_n + wg_n + epi * epi_tile_n, epi_tile_n)
-            out_tile = acc[:, epi * epi_tile_n:(epi + 1) * epi_tile_n]
-            if user_res_gmem is not None:
-              # Plain loads, chunk by chunk: a whole user tile would double the live registers.
-              user_tile = user_res_gmem.at[cand_to_user_gmem[b], wg_m_slice, epi_n_slice]
-              out_tile += plgpu.load(user_tile, layout=plgpu.Layout.WGMMA, optimized=False)
-            # The slot's previous TMA store must have read it before we overwrite.
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            out_smem[wg, slot] = out_tile.astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
-                                    out_gmem.at[b, wg_m_slice, epi_n_slice])
+        def load_user_chunk(epi):
+          if user_tile is None or epi == num_epi:
+            return None
+          return plgpu.load(user_tile.at[:, pl.ds(epi * epi_tile_n, epi_tile_n)],
+                            layout=plgpu.Layout.WGMMA, optimized=False)
 
-        def mma_step(_, a_smem, e_smem, acc_ref):
-          plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg_m, tile_m)],
-                      e_smem.at[:, pl.ds(wg_n, wg_tile_n)])
-          plgpu.wgmma_wait(config.delay_release)
-          return acc_ref
+        # Software-pipelined user loads: chunk 0 is in flight during the K loop
+        # and each later chunk during the store of the one before, so the
+        # epilogue does not wait on global memory latency.
+        next_user_chunk = load_user_chunk(0)
 
-        pipeline(mma_step, compute_context)(
-            a_gmem.at[pl.ds(mi * cta_tile_m, cta_tile_m), :],
-            e_gmem.at[b, :, pl.ds(ni * cta_tile_n, cta_tile_n)],
-            allocations=pipeline_allocs)
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+        def acc(acc_ref):
+          eval_pipeline(acc_ref)
+          return acc_ref[...]
 
-      if config.split == "n":
-        emit_tile(0, wg * tile_n, tile_n)
-      elif not config.half_tail_applies(m):
-        emit_tile(wg * tile_m, 0, tile_n)
-      else:
-        is_tail = mi == m_iters - 1
-        pl.when(jnp.logical_not(is_tail))(lambda: emit_tile(wg * tile_m, 0, tile_n))
-        # The last M tile has at most `tile_m` live rows: the consumers split its N instead.
-        pl.when(is_tail)(lambda: emit_tile(0, wg * (tile_n // 2), tile_n // 2))
+        for epi in range(num_epi):
+          slot = epi % 2
+          out_tile = acc[:, epi * epi_tile_n:(epi + 1) * epi_tile_n]
+          if user_tile is not None:
+            user_chunk, next_user_chunk = next_user_chunk, load_user_chunk(epi + 1)
+            out_tile += user_chunk
+          # The slot's previous TMA store must have read it before we overwrite.
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+          out_smem[wg, slot] = out_tile.astype(out_dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(
+              out_smem.at[wg, slot],
+              out_gmem.at[b, wg_m_slice, pl.ds(ni * cta_tile_n + wg_n + epi * epi_tile_n,
+                                              epi_tile_n)])
+
+      def mma_step(_, a_smem, e_smem, acc_ref):
+        plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg_m, tile_m)], e_smem.at[:, pl.ds(wg_n, tile_n)])
+        plgpu.wgmma_wait(config.delay_release)
+        return acc_ref
+
+      pipeline(mma_step, compute_context)(
+          a_gmem.at[pl.ds(mi * cta_tile_m, cta_tile_m), :],
+          e_gmem.at[b, :, pl.ds(ni * cta_tile_n, cta_tile_n)],
+          allocations=pipeline_allocs)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
