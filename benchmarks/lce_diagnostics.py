@@ -40,6 +40,8 @@ def backward_parts(args, index, d_out):
           mosaic.align_weight(w.T, d.shape[1], config), d, num_rows=w.shape[1], config=config),
           (w_cand, d_aligned)),
       "pad_d_out": (lambda d: pad_to_multiple(d, 1, 8), (d_out,)),
+      "user_backward": (lambda *a: xla.user_backward(*a, num_users=num_users),
+                        (w_user, e_user, ids, d_out)),
       "full_xla_backward": (lambda *a: xla.backward(*a, num_users=num_users),
                             (*args, ids, d_out)),
       "full_mosaic_backward": (lambda *a: mosaic.backward(*a, num_users=num_users, interpret=False),

@@ -29,6 +29,15 @@ cells = [
         "ax.invert_yaxis(); ax.set_xlabel('ms (median kernel time)')\n"
         "ax.set_title(f\"linear compression, {res['device']}\")\n"
         "plt.tight_layout(); plt.show()"),
+    nbf.v4.new_markdown_cell(
+        "## Training step: forward + backward\n\n"
+        "The same cotangent through the materialized model and through the IKBO op (its "
+        "default implementation: on the H200, the Mosaic GPU kernels forward and backward)."),
+    nbf.v4.new_code_cell(
+        "fwd_bwd = res['fwd_bwd']\n"
+        "for name, value in fwd_bwd.items():\n"
+        "    unit = 'x' if name == 'speedup' else 'ms'\n"
+        "    print(f'{name:24s} {value:7.3f} {unit}')"),
     nbf.v4.new_markdown_cell("## Sweeps: candidates at ratio 70, and the candidates-per-user ratio"),
     nbf.v4.new_code_cell(
         "fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))\n"

@@ -104,18 +104,21 @@ def test_user_with_no_candidates_gets_zero_gradient():
   assert np.abs(np.asarray(d_e_user)).sum() > 0
 
 
-@pytest.mark.parametrize("implementation", ["xla", "triton"])
+@pytest.mark.parametrize("implementation", ["xla", "triton", "mosaic_gpu"])
 def test_jit_with_traced_index_and_vmap(implementation):
-  args, index = _problem(6, jnp.float32)
+  dtype = jnp.bfloat16 if implementation == "mosaic_gpu" else jnp.float32
+  args, index = _problem(6, dtype)
   fn = functools.partial(linear_compression, implementation=implementation,
-                         interpret=implementation == "triton")
+                         interpret=implementation in KERNEL_DTYPES)
+  as_f32 = lambda x: np.asarray(x, np.float32)
   jitted = jax.jit(fn)
-  np.testing.assert_allclose(jitted(*args, index), fn(*args, index), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(as_f32(jitted(*args, index)), as_f32(fn(*args, index)),
+                             rtol=1e-5, atol=1e-5)
   # Two stacked problems sharing the index; vmap over the leading axis of every operand.
-  args2, _ = _problem(7, jnp.float32)
+  args2, _ = _problem(7, dtype)
   stacked = [jnp.stack([a, b]) for a, b in zip(args, args2)]
   out = jax.vmap(lambda *a: fn(*a, index))(*stacked)
-  np.testing.assert_allclose(out[1], fn(*args2, index), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(as_f32(out[1]), as_f32(fn(*args2, index)), rtol=1e-5, atol=1e-5)
 
 
 def test_out_of_range_ids_are_clamped_and_checked_mode_raises():

@@ -55,9 +55,12 @@ def sum_per_user(x, cand_to_user, num_users: int):
 def user_backward(w_user, e_user, cand_to_user, d_out, *, num_users: int):
   """Cotangents of `w_user` and `e_user`: reduce `d_out` per user, then two GEMMs at batch U."""
   d_user = sum_per_user(d_out, cand_to_user, num_users)
-  highest = jax.lax.Precision.HIGHEST
-  d_w_user = jnp.einsum("umn,ukn->mk", d_user, e_user.astype(_F32), precision=highest)
-  d_e_user = jnp.einsum("mk,umn->ukn", w_user.astype(_F32), d_user, precision=highest)
+  # float32 operands: full float32 products. 16-bit operands: the default
+  # precision (TF32 on recent GPUs) keeps more mantissa than the operands have,
+  # at several times the speed of full float32.
+  precision = jax.lax.Precision.HIGHEST if e_user.dtype == _F32 else None
+  d_w_user = jnp.einsum("umn,ukn->mk", d_user, e_user.astype(_F32), precision=precision)
+  d_e_user = jnp.einsum("mk,umn->ukn", w_user.astype(_F32), d_user, precision=precision)
   return d_w_user.astype(w_user.dtype), d_e_user.astype(e_user.dtype)
 
 
