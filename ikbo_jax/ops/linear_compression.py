@@ -35,8 +35,6 @@ def _triton_forward(w_user, w_cand, e_user, e_cand, cand_to_user, *, interpret):
 
 def _forward(implementation: str, interpret: bool, *args):
   match implementation:
-    case "xla_materialized":
-      return xla.materialized(*args)
     case "xla":
       return xla.decomposed(*args)
     case "triton":
@@ -116,8 +114,8 @@ def linear_compression(w_user, w_cand, e_user, e_cand, index: CandidateIndex, *,
     e_user: `[U, K_user, N]` user embeddings, stored once per user.
     e_cand: `[B, K_cand, N]` candidate embeddings.
     index: the `CandidateIndex` mapping candidates to users (`num_users == U`).
-    implementation: `"xla_materialized"` (baseline that copies user rows),
-      `"xla"` (decomposed), `"triton"` or `"mosaic_gpu"` (fused kernels), or
+    implementation: `"xla_materialized"` (baseline that copies user rows;
+      its gradient is plain autodiff through the copy), `"xla"` (decomposed), `"triton"` or `"mosaic_gpu"` (fused kernels), or
       None for the fastest available on the default device. A named
       implementation runs or raises; it never falls back.
     checked: also check that every id lies in `[0, U)` with `checkify.check`
@@ -148,6 +146,9 @@ def linear_compression(w_user, w_cand, e_user, e_cand, index: CandidateIndex, *,
   _check_implementation(implementation, dtype, interpret)
   if checked:
     index.check()
+  if implementation == "xla_materialized":
+    # The baseline in both directions: plain autodiff through the broadcast.
+    return xla.materialized(w_user, w_cand, e_user, e_cand, index.clamped_cand_to_user)
   return _lce(implementation, interpret, index.num_users,
               w_user, w_cand, e_user, e_cand, index.clamped_cand_to_user)
 
