@@ -2,5 +2,6 @@
 
 from ikbo_jax.index import CandidateIndex
 from ikbo_jax.ops.linear_compression import linear_compression
+from ikbo_jax.ops.target_attention import target_attention
 
-__all__ = ["CandidateIndex", "linear_compression"]
+__all__ = ["CandidateIndex", "linear_compression", "target_attention"]

@@ -1,0 +1,102 @@
+"""Target attention with in-kernel broadcast: candidates attend to their user's shared K/V.
+
+`out[b, i, h] = softmax_{j < kv_len[u(b)]}(scale * q[b, i, h] . k[u(b), j, h]) @ v[u(b), :, h]`
+with `u = cand_to_user` (DESIGN.md 2.2). This module holds the public op, its
+validation and its dispatch. The XLA implementations differentiate by autodiff;
+the `custom_vjp` of the kernel paths comes with the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+from ikbo_jax import _validation as checks
+from ikbo_jax.index import CandidateIndex
+from ikbo_jax.ops import target_attention_xla as xla
+
+Implementation = Literal["xla_materialized", "xla"]
+IMPLEMENTATIONS = ("xla_materialized", "xla")
+
+
+def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: float | None = None,
+                     return_lse: bool = False, implementation: Implementation | None = None,
+                     checked: bool = False):
+  """Each candidate's queries attend to its user's keys and values, stored once per user.
+
+  Args:
+    q: `[B, T, H, D]` candidate queries (`T` query tokens per candidate, n_seed).
+    k: `[U, S, H, D]` user keys (each user's behaviour sequence, padded to `S`).
+    v: `[U, S, H, D]` user values.
+    index: the `CandidateIndex` mapping candidates to users (`num_users == U`).
+    kv_len: optional `int[U]`, the valid history length of each user (keys
+      `j >= kv_len[u]` are masked); default `S` for every user. A user with
+      `kv_len == 0` gets zero outputs and `lse = -inf`.
+    scale: the logit scale; default `1 / sqrt(D)`.
+    return_lse: also return the float32 log-sum-exp of the scaled, masked
+      logits, `[B, T, H]`.
+    implementation: `"xla_materialized"` (baseline: copies K/V to every
+      candidate), `"xla"` (candidates a chunk at a time, never a full copy), or
+      None for the default.
+    checked: also check with `checkify.check` that ids lie in `[0, U)` and
+      lengths in `[0, S]`. Without it, out-of-range ids are clamped to
+      `[0, U)` and lengths to `[0, S]`.
+
+  Returns:
+    `[B, T, H, D]` in the input dtype, and the lse when `return_lse`.
+
+  >>> import jax, jax.numpy as jnp
+  >>> from ikbo_jax import CandidateIndex, target_attention
+  >>> index = CandidateIndex.from_mapping(jnp.array([1, 0, 1]), num_users=2)
+  >>> ks = jax.random.split(jax.random.key(0), 3)
+  >>> q = jax.random.normal(ks[0], (3, 4, 2, 8))         # 3 candidates, 4 query tokens
+  >>> k = jax.random.normal(ks[1], (2, 16, 2, 8))        # 2 users, 16 history items
+  >>> v = jax.random.normal(ks[2], (2, 16, 2, 8))
+  >>> target_attention(q, k, v, index, kv_len=jnp.array([16, 5])).shape
+  (3, 4, 2, 8)
+  """
+  _check_args(q, k, v, index, kv_len)
+  checks.check_float_dtypes(q=q, k=k, v=v)
+  implementation = "xla" if implementation is None else implementation
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+        f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+  num_users, seq_len = k.shape[:2]
+  kv_len = (jnp.full((num_users,), seq_len, jnp.int32) if kv_len is None
+            else jnp.asarray(kv_len).astype(jnp.int32))
+  if checked:
+    index.check()
+    checkify.check(jnp.all((kv_len >= 0) & (kv_len <= seq_len)),
+                   f"kv_len values must lie in [0, S={seq_len}]; got min {{lo}}, max {{hi}}",
+                   lo=jnp.min(kv_len), hi=jnp.max(kv_len))
+  scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+  impl = xla.materialized if implementation == "xla_materialized" else xla.chunked
+  out, lse = impl(q, k, v, index.clamped_cand_to_user, jnp.clip(kv_len, 0, seq_len),
+                  scale=scale)
+  return (out, lse) if return_lse else out
+
+
+def _check_args(q, k, v, index, kv_len) -> None:
+  if not isinstance(index, CandidateIndex):
+    raise TypeError(f"index must be a CandidateIndex, got {type(index).__name__}")
+  checks.check_rank("q", q, 4, "[B, T, H, D]")
+  checks.check_rank("k", k, 4, "[U, S, H, D]")
+  checks.check_rank("v", v, 4, "[U, S, H, D]")
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    checks.check_nonempty(name, x)
+  checks.check_dim("q", q, 0, index.num_candidates, "B, from index.cand_to_user")
+  checks.check_dim("v", v, 1, k.shape[1], "S, from k")
+  for name, x in (("k", k), ("v", v)):
+    checks.check_dim(name, x, 0, index.num_users, "U, from index.num_users")
+    checks.check_dim(name, x, 2, q.shape[2], "H, from q")
+    checks.check_dim(name, x, 3, q.shape[3], "D, from q")
+  if kv_len is not None:
+    kv_len = jnp.asarray(kv_len)
+    checks.check_rank("kv_len", kv_len, 1, "[U]")
+    checks.check_dim("kv_len", kv_len, 0, index.num_users, "U, from index.num_users")
+    if not jnp.issubdtype(kv_len.dtype, jnp.integer):
+      raise TypeError(f"kv_len must be an integer array, got dtype {kv_len.dtype}")

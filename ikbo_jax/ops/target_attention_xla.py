@@ -1,0 +1,52 @@
+"""XLA implementations of target attention: the semantics every kernel is tested against.
+
+Shapes: `q [B, T, H, D]` (T = n_seed query tokens per candidate), `k, v [U, S, H, D]`,
+`cand_to_user int32[B]` (already clamped to `[0, U)`), `kv_len int32[U]` (already
+clamped to `[0, S]`). Outputs: `out [B, T, H, D]` in the input dtype and the
+log-sum-exp of the scaled logits `lse [B, T, H]` in float32 (`-inf` for a user
+with `kv_len == 0`, whose output rows are zero).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_F32 = jnp.float32
+
+
+def attention(q, k, v, kv_len, *, scale: float, precision=None):
+  """Plain softmax attention of `q [N, T, H, D]` over `k, v [N, S, H, D]`, keys `< kv_len[n]`."""
+  logits = jnp.einsum("nthd,nshd->nhts", q, k, precision=precision,
+                      preferred_element_type=_F32) * scale
+  valid = jnp.arange(k.shape[1])[None, :] < kv_len[:, None]
+  logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  # A query with no valid key gets zero weights (and output), not NaN.
+  probs = jnp.where(jnp.isfinite(lse)[..., None], jnp.exp(logits - lse[..., None]), 0.0)
+  out = jnp.einsum("nhts,nshd->nthd", probs.astype(v.dtype), v, precision=precision,
+                   preferred_element_type=_F32)
+  return out.astype(q.dtype), jnp.transpose(lse, (0, 2, 1))
+
+
+def materialized(q, k, v, cand_to_user, kv_len, *, scale: float, precision=None):
+  """The baseline: copy each user's K/V (and length) to its candidates, then attention."""
+  return attention(q, k[cand_to_user], v[cand_to_user], kv_len[cand_to_user], scale=scale,
+                   precision=precision)
+
+
+def chunked(q, k, v, cand_to_user, kv_len, *, scale: float, chunk: int = 32, precision=None):
+  """IKBO semantics in XLA with bounded memory: `chunk` candidates at a time.
+
+  Each step gathers the K/V of only `chunk` candidates, so the live copy is
+  `chunk * S * H * D` elements instead of `B * S * H * D`. The FLOPs are those
+  of the materialized form; sharing K/V reads across a user's candidates is the
+  kernels' job.
+  """
+  def one_candidate(args):
+    q_b, user = args
+    out, lse = attention(q_b[None], k[user][None], v[user][None], kv_len[user][None],
+                         scale=scale, precision=precision)
+    return out[0], lse[0]
+
+  return jax.lax.map(one_candidate, (q, cand_to_user), batch_size=chunk)
