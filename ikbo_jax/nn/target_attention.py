@@ -1,0 +1,87 @@
+"""`TargetAttention`: a Flax NNX layer in which candidates attend to their user's history."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from flax import nnx
+from flax.nnx.nn import initializers
+
+from ikbo_jax.index import CandidateIndex
+from ikbo_jax.ops.target_attention import Implementation, target_attention
+
+default_kernel_init = initializers.lecun_normal()
+
+
+class TargetAttention(nnx.Module):
+  """Multi-head target attention with the user side computed once per user.
+
+  The key and value projections run at batch U on each user's behaviour
+  sequence; the query projection runs at batch B on the candidates' query
+  tokens; the attention reads each user's K/V by index. With the same weights
+  this equals `nnx.MultiHeadAttention` applied to the candidate tokens and the
+  user sequence copied to every candidate (masked past `kv_len`), without the
+  copy or the U-to-B projections.
+
+  Args:
+    num_heads: number of attention heads.
+    in_features: feature size of the candidate tokens (queries).
+    qkv_features: total query/key/value size over all heads (default
+      `in_features`); must divide by `num_heads`.
+    out_features: output feature size (default `in_features`).
+    in_kv_features: feature size of the user sequence (default `in_features`).
+    dtype: computation dtype (default: inferred from the inputs).
+    param_dtype: parameter dtype.
+    kernel_init: initializer of the projection kernels.
+    bias_init: initializer of the projection biases.
+    use_bias: whether the projections have biases.
+    implementation: passed to `ikbo_jax.target_attention`.
+    rngs: random number generators.
+
+  Example:
+
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from ikbo_jax import CandidateIndex
+  >>> from ikbo_jax.nn import TargetAttention
+  >>> attn = TargetAttention(num_heads=2, in_features=8, rngs=nnx.Rngs(0))
+  >>> index = CandidateIndex.from_counts([2, 1])
+  >>> cand_tokens = jnp.ones((3, 4, 8))        # [B, n_seed, in_features]
+  >>> user_seq = jnp.ones((2, 10, 8))          # [U, S, in_kv_features]
+  >>> attn(cand_tokens, user_seq, index, kv_len=jnp.array([10, 6])).shape
+  (3, 4, 8)
+  """
+
+  def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
+               out_features: int | None = None, in_kv_features: int | None = None, *,
+               dtype=None, param_dtype=jax.numpy.float32,
+               kernel_init: nnx.Initializer = default_kernel_init,
+               bias_init: nnx.Initializer = initializers.zeros_init(), use_bias: bool = True,
+               implementation: Implementation | None = None, rngs: nnx.Rngs):
+    qkv_features = in_features if qkv_features is None else qkv_features
+    if qkv_features % num_heads:
+      raise ValueError(f"qkv_features ({qkv_features}) must be divisible by num_heads "
+                       f"({num_heads})")
+    self.num_heads, self.head_dim = num_heads, qkv_features // num_heads
+    self.in_features, self.qkv_features = in_features, qkv_features
+    self.out_features = in_features if out_features is None else out_features
+    self.in_kv_features = in_features if in_kv_features is None else in_kv_features
+    self.implementation = implementation
+    projection = functools.partial(
+        nnx.LinearGeneral, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
+        bias_init=bias_init, use_bias=use_bias, rngs=rngs)
+    heads = (num_heads, self.head_dim)
+    self.query = projection(in_features, heads)
+    self.key = projection(self.in_kv_features, heads)
+    self.value = projection(self.in_kv_features, heads)
+    self.out = projection(heads, self.out_features, axis=(-2, -1))
+
+  def __call__(self, cand_tokens: jax.Array, user_seq: jax.Array, index: CandidateIndex, *,
+               kv_len: jax.Array | None = None, checked: bool = False) -> jax.Array:
+    """`cand_tokens [B, T, in_features]`, `user_seq [U, S, in_kv_features]` -> `[B, T, out]`."""
+    q = self.query(cand_tokens)
+    k, v = self.key(user_seq), self.value(user_seq)  # at batch U: once per user
+    attended = target_attention(q, k, v, index, kv_len=kv_len,
+                                implementation=self.implementation, checked=checked)
+    return self.out(attended)
