@@ -111,7 +111,47 @@ def test_validation_errors_name_the_argument():
       ((q, k, v), {"kv_len": jnp.ones(2, jnp.int32)}, ValueError, r"kv_len.shape\[0\]"),
       ((q, k, v), {"kv_len": jnp.ones(3)}, TypeError, "kv_len must be an integer"),
       ((q, k, v), {"implementation": "cuda"}, ValueError, "implementation must be one of"),
+      ((q, k, v), {"implementation": "xla", "interpret": True}, ValueError, "interpret=True"),
   ]
   for args, kwargs, error, match in cases:
     with pytest.raises(error, match=match):
       target_attention(*args, index, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_triton_interpret_forward_and_gradients(dtype):
+  # T and S not multiples of the 64-row blocks; one user without candidates.
+  args, index, kv_len = _problem(7, dtype, t=37, s=70)
+  kv_len = kv_len.at[0].set(70)
+  out, lse = target_attention(*args, index, kv_len=kv_len, return_lse=True,
+                              implementation="triton", interpret=True)
+  same, same_lse = target_attention(*args, index, kv_len=kv_len, return_lse=True,
+                                    implementation="xla_materialized")
+  f32 = target_attention(*[a.astype(jnp.float32) for a in args], index, kv_len=kv_len)
+  assert out.dtype == dtype
+  assert_within_reference_error(out, same, f32, floor=1e-5)
+  np.testing.assert_allclose(lse, same_lse, rtol=1e-2 if dtype == jnp.bfloat16 else 1e-5)
+  loss = lambda impl, **kw: lambda *a: jnp.sum(target_attention(
+      *a, index, kv_len=kv_len, implementation=impl, **kw).astype(jnp.float32) ** 2)
+  grads = jax.grad(loss("triton", interpret=True), argnums=(0, 1, 2))(*args)
+  ref = jax.grad(loss("xla"), argnums=(0, 1, 2))(*args)
+  # The cotangent 2 * out differs by the forward's rounding in bfloat16.
+  for g, r in zip(grads, ref):
+    assert rel_err(g, r) < (2e-2 if dtype == jnp.bfloat16 else 1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_at_benchmark_heads():
+  """B=256 candidates of 4 users, n_seed 64, H=2, D=128, S=1024 with jagged lengths."""
+  rng = np.random.default_rng(8)
+  index = random_index(rng, 4, 255, empty_users=0)
+  keys = jax.random.split(jax.random.key(8), 3)
+  q = jax.random.normal(keys[0], (255, 64, 2, 128), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (4, 1024, 2, 128), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (4, 1024, 2, 128), jnp.bfloat16)
+  kv_len = jnp.array([1024, 1, 500, 777])
+  out = target_attention(q, k, v, index, kv_len=kv_len, implementation="triton")
+  same = target_attention(q, k, v, index, kv_len=kv_len, implementation="xla_materialized")
+  f32 = target_attention(*[a.astype(jnp.float32) for a in (q, k, v)], index, kv_len=kv_len,
+                         implementation="xla_materialized")
+  assert_within_reference_error(out, same, f32, floor=1e-4)

@@ -2,12 +2,15 @@
 
 `out[b, i, h] = softmax_{j < kv_len[u(b)]}(scale * q[b, i, h] . k[u(b), j, h]) @ v[u(b), :, h]`
 with `u = cand_to_user` (DESIGN.md 2.2). This module holds the public op, its
-validation and its dispatch. The XLA implementations differentiate by autodiff;
-the `custom_vjp` of the kernel paths comes with the kernels.
+validation and its dispatch. The XLA implementations differentiate by autodiff.
+The Triton path runs its forward kernel under a `custom_vjp` whose backward is,
+for now, the autodiff of the chunked XLA reference (recomputed); a backward
+kernel is future work.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -16,16 +19,38 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 from ikbo_jax import _validation as checks
+from ikbo_jax import platform
 from ikbo_jax.index import CandidateIndex
+from ikbo_jax.kernels.triton import target_attention as triton_kernel
 from ikbo_jax.ops import target_attention_xla as xla
 
-Implementation = Literal["xla_materialized", "xla"]
-IMPLEMENTATIONS = ("xla_materialized", "xla")
+Implementation = Literal["xla_materialized", "xla", "triton"]
+IMPLEMENTATIONS = ("xla_materialized", "xla", "triton")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _triton(scale, interpret, q, k, v, cand_to_user, kv_len):
+  return triton_kernel.target_attention_forward(q, k, v, cand_to_user, kv_len, scale=scale,
+                                                interpret=interpret)
+
+
+def _triton_fwd(scale, interpret, *args):
+  return _triton(scale, interpret, *args), args
+
+
+def _triton_bwd(scale, interpret, residuals, cotangents):
+  del interpret
+  q, k, v, cand_to_user, kv_len = residuals
+  _, vjp = jax.vjp(lambda *a: xla.chunked(*a, cand_to_user, kv_len, scale=scale), q, k, v)
+  return (*vjp(cotangents), None, None)
+
+
+_triton.defvjp(_triton_fwd, _triton_bwd)
 
 
 def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: float | None = None,
                      return_lse: bool = False, implementation: Implementation | None = None,
-                     checked: bool = False):
+                     checked: bool = False, interpret: bool = False):
   """Each candidate's queries attend to its user's keys and values, stored once per user.
 
   Args:
@@ -40,11 +65,13 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
     return_lse: also return the float32 log-sum-exp of the scaled, masked
       logits, `[B, T, H]`.
     implementation: `"xla_materialized"` (baseline: copies K/V to every
-      candidate), `"xla"` (candidates a chunk at a time, never a full copy), or
-      None for the default.
+      candidate), `"xla"` (candidates a chunk at a time, never a full copy),
+      `"triton"` (flash-attention kernel reading K/V by index), or None for the
+      default (`"xla"`). A named implementation runs or raises.
     checked: also check with `checkify.check` that ids lie in `[0, U)` and
       lengths in `[0, S]`. Without it, out-of-range ids are clamped to
       `[0, U)` and lengths to `[0, S]`.
+    interpret: run the Triton kernel under the Pallas interpreter (CPU tests).
 
   Returns:
     `[B, T, H, D]` in the input dtype, and the lse when `return_lse`.
@@ -62,9 +89,7 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
   _check_args(q, k, v, index, kv_len)
   checks.check_float_dtypes(q=q, k=k, v=v)
   implementation = "xla" if implementation is None else implementation
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(
-        f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+  _check_implementation(implementation, interpret)
   num_users, seq_len = k.shape[:2]
   kv_len = (jnp.full((num_users,), seq_len, jnp.int32) if kv_len is None
             else jnp.asarray(kv_len).astype(jnp.int32))
@@ -74,10 +99,27 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
                    f"kv_len values must lie in [0, S={seq_len}]; got min {{lo}}, max {{hi}}",
                    lo=jnp.min(kv_len), hi=jnp.max(kv_len))
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-  impl = xla.materialized if implementation == "xla_materialized" else xla.chunked
-  out, lse = impl(q, k, v, index.clamped_cand_to_user, jnp.clip(kv_len, 0, seq_len),
-                  scale=scale)
+  args = (q, k, v, index.clamped_cand_to_user, jnp.clip(kv_len, 0, seq_len))
+  if implementation == "triton":
+    out, lse = _triton(scale, interpret, *args)
+  else:
+    impl = xla.materialized if implementation == "xla_materialized" else xla.chunked
+    out, lse = impl(*args, scale=scale)
   return (out, lse) if return_lse else out
+
+
+def _check_implementation(implementation: str, interpret: bool) -> None:
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+        f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+  if implementation != "triton":
+    if interpret:
+      raise ValueError("interpret=True applies to implementation='triton' only")
+  elif not interpret and platform.default_platform() != "gpu":
+    raise RuntimeError(
+        f"implementation='triton' needs a CUDA GPU, the default backend is "
+        f"{platform.default_platform()!r}; pass interpret=True to run it under the "
+        "Pallas interpreter")
 
 
 def _check_args(q, k, v, index, kv_len) -> None:
