@@ -1,0 +1,16 @@
+"""The benchmark scripts keep working: their --small mode runs on CPU."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_target_attention_benchmark_small(tmp_path):
+  out = tmp_path / "ta.json"
+  subprocess.run([sys.executable, "-m", "benchmarks.target_attention", "--small",
+                  "--iterations", "2", "--out", str(out)], cwd=ROOT, check=True)
+  result = json.loads(out.read_text())
+  assert result["sweep"]["32"]["xla_materialized"]["ms"] > 0
