@@ -4,12 +4,36 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from ikbo_jax import platform
+from ikbo_jax.index import CandidateIndex
+
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def check_rank(name: str, x, rank: int, layout: str) -> None:
   if x.ndim != rank:
     raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(x.shape)}")
+
+
+def check_index(index) -> None:
+  if not isinstance(index, CandidateIndex):
+    raise TypeError(f"index must be a CandidateIndex, got {type(index).__name__}")
+
+
+def check_operands(**operands) -> None:
+  """Rank and non-emptiness of each `name=(array, dim_names)`, e.g. `q=(q, ("B", "T", "H", "D"))`."""
+  for name, (x, dims) in operands.items():
+    check_rank(name, x, len(dims), f"[{', '.join(dims)}]")
+    check_nonempty(name, x)
+
+
+def require_gpu(implementation: str, interpret: bool) -> None:
+  """A kernel implementation outside the interpreter needs a CUDA GPU as the default backend."""
+  if not interpret and platform.default_platform() != "gpu":
+    raise RuntimeError(
+        f"implementation={implementation!r} needs a CUDA GPU, the default backend is "
+        f"{platform.default_platform()!r}; pass interpret=True to run it under the "
+        "Pallas interpreter")
 
 
 def check_dim(name: str, x, axis: int, expected: int, meaning: str) -> None:

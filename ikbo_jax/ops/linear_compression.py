@@ -88,16 +88,11 @@ def _check_implementation(implementation: str, dtype, interpret: bool) -> None:
     return
   if implementation == "mosaic_gpu" and jnp.dtype(dtype) == jnp.float32:
     raise TypeError("implementation='mosaic_gpu' supports bfloat16 and float16 inputs, got float32")
-  if not interpret:
-    if platform.default_platform() != "gpu":
-      raise RuntimeError(
-          f"implementation={implementation!r} needs a CUDA GPU, the default backend is "
-          f"{platform.default_platform()!r}; pass interpret=True to run it under the "
-          "Pallas interpreter")
-    if implementation == "mosaic_gpu" and not platform.is_hopper():
-      raise RuntimeError(
-          "implementation='mosaic_gpu' needs a Hopper GPU (compute capability 9.0), got "
-          f"{platform.gpu_compute_capability()}")
+  v.require_gpu(implementation, interpret)
+  if implementation == "mosaic_gpu" and not interpret and not platform.is_hopper():
+    raise RuntimeError(
+        "implementation='mosaic_gpu' needs a Hopper GPU (compute capability 9.0), got "
+        f"{platform.gpu_compute_capability()}")
 
 
 def linear_compression(w_user, w_cand, e_user, e_cand, index: CandidateIndex, *,
@@ -154,14 +149,9 @@ def linear_compression(w_user, w_cand, e_user, e_cand, index: CandidateIndex, *,
 
 
 def _check_args(w_user, w_cand, e_user, e_cand, index) -> None:
-  if not isinstance(index, CandidateIndex):
-    raise TypeError(f"index must be a CandidateIndex, got {type(index).__name__}")
-  v.check_rank("w_user", w_user, 2, "[M, K_user]")
-  v.check_rank("w_cand", w_cand, 2, "[M, K_cand]")
-  v.check_rank("e_user", e_user, 3, "[U, K_user, N]")
-  v.check_rank("e_cand", e_cand, 3, "[B, K_cand, N]")
-  for name, x in (("w_user", w_user), ("w_cand", w_cand), ("e_user", e_user), ("e_cand", e_cand)):
-    v.check_nonempty(name, x)
+  v.check_index(index)
+  v.check_operands(w_user=(w_user, ("M", "K_user")), w_cand=(w_cand, ("M", "K_cand")),
+                   e_user=(e_user, ("U", "K_user", "N")), e_cand=(e_cand, ("B", "K_cand", "N")))
   m, k_user = w_user.shape
   v.check_dim("w_cand", w_cand, 0, m, "M, from w_user")
   v.check_dim("e_user", e_user, 0, index.num_users, "U, from index.num_users")

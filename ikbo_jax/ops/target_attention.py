@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 from ikbo_jax import _validation as checks
-from ikbo_jax import platform
 from ikbo_jax.index import CandidateIndex
 from ikbo_jax.kernels.triton import target_attention as triton_kernel
 from ikbo_jax.ops import target_attention_xla as xla
@@ -115,21 +114,14 @@ def _check_implementation(implementation: str, interpret: bool) -> None:
   if implementation != "triton":
     if interpret:
       raise ValueError("interpret=True applies to implementation='triton' only")
-  elif not interpret and platform.default_platform() != "gpu":
-    raise RuntimeError(
-        f"implementation='triton' needs a CUDA GPU, the default backend is "
-        f"{platform.default_platform()!r}; pass interpret=True to run it under the "
-        "Pallas interpreter")
+  else:
+    checks.require_gpu(implementation, interpret)
 
 
 def _check_args(q, k, v, index, kv_len) -> None:
-  if not isinstance(index, CandidateIndex):
-    raise TypeError(f"index must be a CandidateIndex, got {type(index).__name__}")
-  checks.check_rank("q", q, 4, "[B, T, H, D]")
-  checks.check_rank("k", k, 4, "[U, S, H, D]")
-  checks.check_rank("v", v, 4, "[U, S, H, D]")
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    checks.check_nonempty(name, x)
+  checks.check_index(index)
+  layout = ("U", "S", "H", "D")
+  checks.check_operands(q=(q, ("B", "T", "H", "D")), k=(k, layout), v=(v, layout))
   checks.check_dim("q", q, 0, index.num_candidates, "B, from index.cand_to_user")
   checks.check_dim("v", v, 1, k.shape[1], "S, from k")
   for name, x in (("k", k), ("v", v)):
