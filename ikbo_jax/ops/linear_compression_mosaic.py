@@ -15,6 +15,11 @@ from ikbo_jax.ops import linear_compression_xla as xla
 
 # TMA tiles rows by 8; the swizzled minor dimension is loaded 64 elements at a time.
 _ROW_ALIGN, _MINOR_ALIGN = 8, 64
+# Tilings measured fastest on the H200 at the published shape (lce_diagnostics):
+# the forward's consumers split N (64-row tiles fit M = 433 with less padding),
+# the backward's dE_cand GEMM (M = K_cand) splits M.
+FORWARD_CONFIG = fused_kernel.Config(tile_n=128, split="n")
+BACKWARD_CONFIG = fused_kernel.Config()
 
 
 def align_embeddings(e_cand):
@@ -36,7 +41,7 @@ def forward(w_user, w_cand, e_user, e_cand, cand_to_user, *, interpret: bool):
   """The fused forward; also returns the aligned `e_cand` for the backward to reuse."""
   m, n = w_cand.shape[0], e_cand.shape[2]
   e_cand = align_embeddings(e_cand)
-  config = fused_kernel.Config().for_n(e_cand.shape[2])
+  config = FORWARD_CONFIG.for_n(e_cand.shape[2])
   user_res = align_user_res(xla.user_result(w_user, e_user), config)
   out = fused_kernel.batched_gemm(
       align_weight(w_cand, e_cand.shape[1], config), e_cand, user_res, cand_to_user,
@@ -56,7 +61,7 @@ def backward(w_user, w_cand, e_user, e_cand_aligned, cand_to_user, d_out, *, num
   m, k_cand = w_cand.shape
   n = d_out.shape[2]
   d_out_aligned = pad_to_multiple(pad_to(d_out, 2, e_cand_aligned.shape[2]), 1, _ROW_ALIGN)
-  config = fused_kernel.Config().for_n(d_out_aligned.shape[2])
+  config = BACKWARD_CONFIG.for_n(d_out_aligned.shape[2])
   d_e_cand = fused_kernel.batched_gemm(
       align_weight(w_cand.T, d_out_aligned.shape[1], config), d_out_aligned,
       num_rows=k_cand, config=config, interpret=interpret)[:, :, :n]
