@@ -1,11 +1,16 @@
-"""Target attention benchmark (first cut): the Triton IKBO kernel against the baselines.
+"""Target attention benchmark: the IKBO kernels against the cuDNN baselines, one run.
 
     python -m benchmarks.target_attention --out benchmarks/results/target_attention_h200.json
 
-Published shape (DESIGN.md 2.2): B=2048, U=32, H=2, D=128, n_seed=64, bf16.
-Baselines in the same run: cuDNN on K/V broadcast outside the timing, broadcast
-+ cuDNN, and cuDNN on the zero-copy per-user packed layout (sorted, uniform
-counts). FLOPs counted as `4 * B * H * n_seed * S * D`.
+Published shape (DESIGN.md 2.2): B=2048, U=32 (64 candidates each), H=2, D=128,
+n_seed=64, bf16, S from 512 to 16384. Baselines in the same run: cuDNN on K/V
+broadcast outside the timing ("prebroadcast"), broadcast + cuDNN, and cuDNN on
+the zero-copy per-user packed layout (sorted, uniform counts: all of a user's
+candidate queries as one query sequence). Ours: the Triton and Mosaic GPU
+kernels with a shuffled and a sorted mapping, and Mosaic GPU with the published
+odd counts (each user 64 or 65 candidates at random, so B differs and rows
+compare by TFLOP/s). Forward FLOPs are `4 * B * H * n_seed * S * D`; forward +
+backward counts 2.5x that.
 """
 
 from __future__ import annotations
@@ -21,52 +26,103 @@ from benchmarks import common
 from ikbo_jax import CandidateIndex, target_attention
 
 PUBLISHED = dict(num_candidates=2048, num_users=32, heads=2, head_dim=128, n_seed=64)
+SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
+BASELINES = ("cudnn_prebroadcast", "broadcast_cudnn", "cudnn_packed_sorted")
 
 
 def _cudnn(q, k, v):
   return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
 
 
-def variants(q, k, v, index, on_gpu: bool):
-  """name -> (jitted fn, operands); 'prebroadcast' copies K/V outside the timing."""
-  ids = index.cand_to_user
-  num_users, t = k.shape[0], q.shape[1]
-  per_user = q.shape[0] // num_users
-  op = lambda impl: jax.jit(functools.partial(target_attention, implementation=impl))
-  out = {"xla_materialized": (op("xla_materialized"), (q, k, v, index))}
-  if on_gpu:
-    sorted_index = CandidateIndex.from_counts(np.full(num_users, per_user))
-    # All of a user's candidate queries as one query sequence: no K/V copies.
-    packed_q = q.reshape(num_users, per_user * t, *q.shape[2:])
-    out.update({
-        "cudnn_prebroadcast": (jax.jit(_cudnn), (q, k[ids], v[ids])),
-        "broadcast_cudnn": (jax.jit(lambda q, k, v, ids: _cudnn(q, k[ids], v[ids])),
-                            (q, k, v, ids)),
-        "cudnn_packed_sorted": (jax.jit(_cudnn), (packed_q, k, v)),
-        "triton_ikbo_shuffled": (op("triton"), (q, k, v, index)),
-        "triton_ikbo_sorted": (op("triton"), (q, k, v, sorted_index)),
-    })
-  return out
+def _broadcast_cudnn(q, k, v, ids):
+  return _cudnn(q, k[ids], v[ids])
 
 
-def run(seq_len, shape, dtype, iterations, on_gpu):
-  b, u, h, d, t = (shape[key] for key in ("num_candidates", "num_users", "heads", "head_dim",
-                                          "n_seed"))
-  keys = jax.random.split(jax.random.key(seq_len), 3)
+def _packed_cudnn(q, k, v):
+  """All of a user's candidate queries as one query sequence (sorted, uniform counts)."""
+  num_users, (num_cands, t, h, d) = k.shape[0], q.shape
+  packed = _cudnn(q.reshape(num_users, num_cands // num_users * t, h, d), k, v)
+  return packed.reshape(q.shape)
+
+
+def _ikbo(implementation):
+  return functools.partial(target_attention, implementation=implementation)
+
+
+def _fwd_bwd(fn, num_diff: int = 3):
+  """Forward + backward of `sum(fn(...) * cotangent)` w.r.t. q, k, v (the cotangent is fixed)."""
+  def loss(*args):
+    out = fn(*args[:-1])
+    return jnp.sum(out.astype(jnp.float32) * args[-1])
+  return jax.jit(jax.grad(loss, argnums=tuple(range(num_diff))))
+
+
+def _inputs(seq_len, counts, shape, dtype, shuffle_seed):
+  u, h, d, t = (shape[key] for key in ("num_users", "heads", "head_dim", "n_seed"))
+  b = int(np.sum(counts))
+  keys = jax.random.split(jax.random.key(seq_len + b), 4)
   q = jax.random.normal(keys[0], (b, t, h, d), jnp.float32).astype(dtype)
   k = jax.random.normal(keys[1], (u, seq_len, h, d), jnp.float32).astype(dtype)
   v = jax.random.normal(keys[2], (u, seq_len, h, d), jnp.float32).astype(dtype)
-  ids = np.random.default_rng(seq_len).permutation(np.repeat(np.arange(u), b // u))
-  index = CandidateIndex.from_mapping(jnp.asarray(ids, jnp.int32), u)
-  flops = 4 * b * h * t * seq_len * d
+  d_out = jax.random.normal(keys[3], q.shape, jnp.float32)
+  sorted_index = CandidateIndex.from_counts(counts)
+  ids = np.random.default_rng(shuffle_seed).permutation(np.repeat(np.arange(u), counts))
+  shuffled_index = CandidateIndex.from_mapping(jnp.asarray(ids, jnp.int32), u)
+  return q, k, v, d_out, sorted_index, shuffled_index
+
+
+def variants(seq_len, shape, dtype, on_gpu, with_backward):
+  """name -> (fn, operands, forward FLOPs): forward rows, then `fwd_bwd/` rows."""
+  u = shape["num_users"]
+  flops = lambda q: 4 * q.shape[0] * q.shape[2] * q.shape[1] * seq_len * q.shape[3]
+  uniform = np.full(u, shape["num_candidates"] // u)
+  q, k, v, d_out, sorted_index, index = _inputs(seq_len, uniform, shape, dtype, seq_len)
+  ids = sorted_index.cand_to_user
+  if not on_gpu:
+    return {"xla": (jax.jit(_ikbo("xla")), (q, k, v, index), flops(q)),
+            "xla_materialized": (jax.jit(_ikbo("xla_materialized")), (q, k, v, index), flops(q))}
+  rows = {
+      "cudnn_prebroadcast": (jax.jit(_cudnn), (q, k[ids], v[ids]), flops(q)),
+      "broadcast_cudnn": (jax.jit(_broadcast_cudnn), (q, k, v, ids), flops(q)),
+      "cudnn_packed_sorted": (jax.jit(_packed_cudnn), (q, k, v), flops(q)),
+  }
+  for impl in ("mosaic_gpu", "triton"):
+    rows[f"{impl}_shuffled"] = (jax.jit(_ikbo(impl)), (q, k, v, index), flops(q))
+    rows[f"{impl}_sorted"] = (jax.jit(_ikbo(impl)), (q, k, v, sorted_index), flops(q))
+  odd = 64 + np.random.default_rng(seq_len).integers(0, 2, u)
+  q_odd, k_odd, v_odd, _, _, odd_index = _inputs(seq_len, odd, shape, dtype, seq_len + 1)
+  rows["mosaic_gpu_odd_shuffled"] = (jax.jit(_ikbo("mosaic_gpu")),
+                                     (q_odd, k_odd, v_odd, odd_index), flops(q_odd))
+  if with_backward:
+    rows.update({
+        "fwd_bwd/broadcast_cudnn": (_fwd_bwd(lambda q, k, v: _broadcast_cudnn(q, k, v, ids)),
+                                    (q, k, v, d_out), 2.5 * flops(q)),
+        "fwd_bwd/cudnn_packed_sorted": (_fwd_bwd(_packed_cudnn), (q, k, v, d_out),
+                                        2.5 * flops(q)),
+        "fwd_bwd/mosaic_gpu_shuffled": (
+            _fwd_bwd(lambda q, k, v: _ikbo("mosaic_gpu")(q, k, v, index)), (q, k, v, d_out),
+            2.5 * flops(q)),
+    })
+  return rows
+
+
+def run(seq_len, shape, dtype, iterations, on_gpu, with_backward):
   rows = {}
-  for name, (fn, operands) in variants(q, k, v, index, on_gpu).items():
-    ms, timer = common.median_ms(fn, *operands, iterations=iterations)
+  for name, (fn, operands, flops) in variants(seq_len, shape, dtype, on_gpu,
+                                              with_backward).items():
+    try:
+      ms, timer = common.median_ms(fn, *operands, iterations=iterations)
+    except Exception as e:  # e.g. out of memory at long S: record it and go on
+      rows[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+      continue
     rows[name] = dict(ms=ms, timer=timer, tflops=flops / ms / 1e9)
-  for base in ("cudnn_prebroadcast", "broadcast_cudnn", "cudnn_packed_sorted"):
-    if base in rows:
-      for row in rows.values():
-        row[f"speedup_vs_{base}"] = rows[base]["ms"] / row["ms"]
+  for name, row in rows.items():
+    prefix = "fwd_bwd/" if name.startswith("fwd_bwd/") else ""
+    for base in BASELINES:
+      base_row = rows.get(prefix + base, {})
+      if "ms" in row and "tflops" in base_row:
+        # By throughput: rows with odd counts have a different B.
+        row[f"speedup_vs_{base}"] = row["tflops"] / base_row["tflops"]
   return rows
 
 
@@ -75,16 +131,21 @@ def main():
   parser.add_argument("--out", required=True)
   parser.add_argument("--small", action="store_true", help="tiny shapes, any backend")
   parser.add_argument("--iterations", type=int, default=20)
+  parser.add_argument("--seq-lens", type=int, nargs="*", default=SEQ_LENS)
+  parser.add_argument("--backward-seq-lens", type=int, nargs="*", default=(1024, 2048))
   args = parser.parse_args()
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
   shape = (dict(num_candidates=16, num_users=4, heads=2, head_dim=16, n_seed=8)
            if args.small else PUBLISHED)
-  payload = dict(**common.metadata(), dtype=jnp.dtype(dtype).name, shape=shape, sweep={})
-  for seq_len in ([32] if args.small else [512, 1024, 2048]):
-    payload["sweep"][seq_len] = run(seq_len, shape, dtype, args.iterations, on_gpu)
-    print("S", seq_len, {k: (round(r["ms"], 3), round(r["tflops"])) for k, r in
-                         payload["sweep"][seq_len].items()})
+  payload = dict(**common.metadata(), dtype=jnp.dtype(dtype).name, shape=shape,
+                 flops_per_forward="4*B*H*n_seed*S*D", fwd_bwd_flops="2.5x forward", sweep={})
+  for seq_len in ([32] if args.small else args.seq_lens):
+    rows = run(seq_len, shape, dtype, args.iterations, on_gpu,
+               with_backward=seq_len in args.backward_seq_lens)
+    payload["sweep"][seq_len] = rows
+    print("S", seq_len, {k: (round(r["ms"], 3), round(r["tflops"])) if "ms" in r else "error"
+                         for k, r in rows.items()}, flush=True)
     common.write_json(args.out, payload)
 
 

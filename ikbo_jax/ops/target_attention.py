@@ -3,9 +3,8 @@
 `out[b, i, h] = softmax_{j < kv_len[u(b)]}(scale * q[b, i, h] . k[u(b), j, h]) @ v[u(b), :, h]`
 with `u = cand_to_user` (DESIGN.md 2.2). This module holds the public op, its
 validation and its dispatch. The XLA implementations differentiate by autodiff.
-The Triton path runs its forward kernel under a `custom_vjp` whose backward is,
-for now, the autodiff of the chunked XLA reference (recomputed); a backward
-kernel is future work.
+The kernel paths (Triton, Mosaic GPU) run their forward kernel under one
+`custom_vjp`.
 """
 
 from __future__ import annotations
@@ -19,32 +18,59 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 from ikbo_jax import _validation as checks
+from ikbo_jax import platform
 from ikbo_jax.index import CandidateIndex
 from ikbo_jax.kernels.triton import target_attention as triton_kernel
+from ikbo_jax.ops import target_attention_mosaic as mosaic
 from ikbo_jax.ops import target_attention_xla as xla
 
-Implementation = Literal["xla_materialized", "xla", "triton"]
-IMPLEMENTATIONS = ("xla_materialized", "xla", "triton")
+Implementation = Literal["xla_materialized", "xla", "triton", "mosaic_gpu"]
+IMPLEMENTATIONS = ("xla_materialized", "xla", "triton", "mosaic_gpu")
+_KERNELS = ("triton", "mosaic_gpu")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _triton(scale, interpret, q, k, v, cand_to_user, kv_len):
-  return triton_kernel.target_attention_forward(q, k, v, cand_to_user, kv_len, scale=scale,
-                                                interpret=interpret)
+def _kernel_forward(implementation, scale, interpret, save_lse, q, k, v, index, kv_len):
+  if implementation == "mosaic_gpu":
+    return mosaic.forward(q, k, v, index, kv_len, scale=scale, save_lse=save_lse,
+                          interpret=interpret)
+  return triton_kernel.target_attention_forward(
+      q, k, v, index.clamped_cand_to_user, kv_len, scale=scale, interpret=interpret)
 
 
-def _triton_fwd(scale, interpret, *args):
-  return _triton(scale, interpret, *args), args
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _kernel_attention(implementation, scale, interpret, return_lse, q, k, v, index, kv_len):
+  out, lse = _kernel_forward(implementation, scale, interpret, return_lse, q, k, v, index, kv_len)
+  return (out, lse) if return_lse else out
 
 
-def _triton_bwd(scale, interpret, residuals, cotangents):
-  del interpret
-  q, k, v, cand_to_user, kv_len = residuals
-  _, vjp = jax.vjp(lambda *a: xla.chunked(*a, cand_to_user, kv_len, scale=scale), q, k, v)
+def _kernel_attention_fwd(implementation, scale, interpret, return_lse, q, k, v, index, kv_len):
+  out, lse = _kernel_forward(implementation, scale, interpret, True, q, k, v, index, kv_len)
+  return ((out, lse) if return_lse else out), (q, k, v, index, kv_len)
+
+
+def _kernel_attention_bwd(implementation, scale, interpret, return_lse, residuals, cotangents):
+  del implementation, interpret
+  q, k, v, index, kv_len = residuals
+
+  def reference(q, k, v):
+    out, lse = xla.chunked(q, k, v, index.clamped_cand_to_user, kv_len, scale=scale)
+    return (out, lse) if return_lse else out
+
+  _, vjp = jax.vjp(reference, q, k, v)
   return (*vjp(cotangents), None, None)
 
 
-_triton.defvjp(_triton_fwd, _triton_bwd)
+_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
+
+
+def default_implementation(dtype, head_dim: int) -> str:
+  """The implementation `implementation=None` runs for these inputs on the default device."""
+  if platform.default_platform() != "gpu":
+    return "xla"
+  if (platform.is_hopper() and jnp.dtype(dtype) != jnp.float32
+      and head_dim in mosaic.SUPPORTED_HEAD_DIMS):
+    return "mosaic_gpu"
+  return "triton"
 
 
 def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: float | None = None,
@@ -65,12 +91,16 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
       logits, `[B, T, H]`.
     implementation: `"xla_materialized"` (baseline: copies K/V to every
       candidate), `"xla"` (candidates a chunk at a time, never a full copy),
-      `"triton"` (flash-attention kernel reading K/V by index), or None for the
-      default (`"xla"`). A named implementation runs or raises.
+      `"triton"` (flash-attention kernel reading K/V by index, one program per
+      candidate block), `"mosaic_gpu"` (Hopper kernel packing several
+      candidates of one user into each query tile, bfloat16/float16, D in
+      {64, 128}), or None: `"mosaic_gpu"` on a Hopper GPU where it applies,
+      `"triton"` on other GPUs, `"xla"` elsewhere. A named implementation runs
+      or raises.
     checked: also check with `checkify.check` that ids lie in `[0, U)` and
       lengths in `[0, S]`. Without it, out-of-range ids are clamped to
       `[0, U)` and lengths to `[0, S]`.
-    interpret: run the Triton kernel under the Pallas interpreter (CPU tests).
+    interpret: run a kernel implementation under the Pallas interpreter (CPU tests).
 
   Returns:
     `[B, T, H, D]` in the input dtype, and the lse when `return_lse`.
@@ -86,9 +116,12 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
   (3, 4, 2, 8)
   """
   _check_args(q, k, v, index, kv_len)
-  checks.check_float_dtypes(q=q, k=k, v=v)
-  implementation = "xla" if implementation is None else implementation
-  _check_implementation(implementation, interpret)
+  dtype = checks.check_float_dtypes(q=q, k=k, v=v)
+  if implementation is None:
+    if interpret:
+      raise ValueError("interpret=True needs a named kernel implementation")
+    implementation = default_implementation(dtype, q.shape[-1])
+  _check_implementation(implementation, dtype, q.shape[-1], interpret)
   num_users, seq_len = k.shape[:2]
   kv_len = (jnp.full((num_users,), seq_len, jnp.int32) if kv_len is None
             else jnp.asarray(kv_len).astype(jnp.int32))
@@ -98,24 +131,34 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
                    f"kv_len values must lie in [0, S={seq_len}]; got min {{lo}}, max {{hi}}",
                    lo=jnp.min(kv_len), hi=jnp.max(kv_len))
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-  args = (q, k, v, index.clamped_cand_to_user, jnp.clip(kv_len, 0, seq_len))
-  if implementation == "triton":
-    out, lse = _triton(scale, interpret, *args)
-  else:
-    impl = xla.materialized if implementation == "xla_materialized" else xla.chunked
-    out, lse = impl(*args, scale=scale)
+  kv_len = jnp.clip(kv_len, 0, seq_len)
+  if implementation in _KERNELS:
+    return _kernel_attention(implementation, scale, interpret, return_lse, q, k, v, index, kv_len)
+  impl = xla.materialized if implementation == "xla_materialized" else xla.chunked
+  out, lse = impl(q, k, v, index.clamped_cand_to_user, kv_len, scale=scale)
   return (out, lse) if return_lse else out
 
 
-def _check_implementation(implementation: str, interpret: bool) -> None:
+def _check_implementation(implementation: str, dtype, head_dim: int, interpret: bool) -> None:
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(
         f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
-  if implementation != "triton":
+  if implementation not in _KERNELS:
     if interpret:
-      raise ValueError("interpret=True applies to implementation='triton' only")
-  else:
-    checks.require_gpu(implementation, interpret)
+      raise ValueError(f"interpret=True applies to kernel implementations {_KERNELS} only")
+    return
+  checks.require_gpu(implementation, interpret)
+  if implementation != "mosaic_gpu":
+    return
+  if jnp.dtype(dtype) == jnp.float32:
+    raise TypeError("implementation='mosaic_gpu' supports bfloat16 and float16 inputs, got float32")
+  if head_dim not in mosaic.SUPPORTED_HEAD_DIMS:
+    raise ValueError(f"implementation='mosaic_gpu' supports head dims D in "
+                     f"{mosaic.SUPPORTED_HEAD_DIMS}, got D={head_dim}")
+  if not interpret and not platform.is_hopper():
+    raise RuntimeError(
+        "implementation='mosaic_gpu' needs a Hopper GPU (compute capability 9.0), got "
+        f"{platform.gpu_compute_capability()}")
 
 
 def _check_args(q, k, v, index, kv_len) -> None:

@@ -1,0 +1,265 @@
+"""Target attention forward, Pallas Mosaic GPU backend (Hopper): packed candidate queries.
+
+One CTA owns one packed query tile (see `ikbo_jax.query_tiles`) and one head:
+`NUM_CONSUMERS` row blocks of 64 query rows, all from candidates of one user.
+A producer warpgroup streams that user's K/V blocks through shared memory with
+TMA, and each K/V block serves every candidate of the tile, which is what
+makes the kernel cheaper than attention over a broadcast copy (and, unlike
+cuDNN on a packed layout, it needs no sorted or contiguous candidates).
+
+The consumers follow the FlashAttention-3 schedule: WGMMA for `Q K^T` and
+`P V` with float32 accumulators, the online softmax in base 2 with the logit
+scale folded into the exponent, and a schedule barrier that alternates the
+two consumers between tensor-core work and softmax. Each consumer copies its
+candidates' query rows in by index, and stores output rows (and the lse) back
+by index, dropping the slots that only pad the block.
+
+Per-user lengths: the tile runs `ceil(kv_len / block_kv)` K/V steps, and only
+the last step masks keys past `kv_len`. A tile whose user has `kv_len == 0`
+writes zeros and `lse = -inf`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ikbo_jax.kernels.mosaic_gpu.common import (
+    NUM_CONSUMERS, PRODUCER_REGISTERS, interpret_params, smem_transforms)
+from ikbo_jax.query_tiles import QueryTiles
+
+BLOCK_ROWS = 64  # query rows per consumer: one WGMMA M extent
+_LOG2E = math.log2(math.e)
+_CONSUMER_REGISTERS = 232
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  block_kv: int = 128
+  max_concurrent_steps: int = 2
+
+  def __post_init__(self):
+    if self.block_kv % 64:
+      raise ValueError(f"block_kv must be a multiple of 64, got {self.block_kv}")
+    if self.max_concurrent_steps < 2:
+      raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
+
+
+def _accumulate_pv(acc, p, v_smem, *, then, interpret: bool):
+  """`acc + p @ v` (p in registers, v in shared memory), running `then()` meanwhile.
+
+  On the GPU the WGMMA accumulates into `acc`'s registers in place while
+  `then()` runs. The interpreter takes WGMMA operands from shared memory only,
+  so there the same product is a plain dot.
+  """
+  if interpret:
+    then()
+    return acc + jnp.dot(p, v_smem[...], preferred_element_type=jnp.float32)
+
+  def issue(acc_ref):
+    plgpu.wgmma(acc_ref, p, v_smem)
+    then()
+
+  return pl.run_state(issue)(plgpu.ACC.init(acc))
+
+
+def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
+            q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, *,
+            scale: float, slot_rows: int, config: Config, interpret: bool):
+  head, tile = lax.axis_index("heads"), lax.axis_index("tiles")
+  wg = lax.axis_index("wg")
+  (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), consumed, schedule = scoped
+  k_consumed, v_consumed = consumed
+  head_dim, dtype = q_ref.shape[-1], q_ref.dtype
+  block_kv, stages = config.block_kv, k_smem.shape[0]
+  cands_per_block = cands_ref.shape[-1]
+  user = tile_user_ref[tile]
+  kv_len = tile_kv_len_ref[tile]
+  kv_steps = pl.cdiv(kv_len, block_kv)
+
+  def schedule_barrier():
+    plgpu.barrier_arrive(schedule)
+    plgpu.barrier_wait(schedule)
+
+  @pl.when(wg < NUM_CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    qo_smem = qo_smem2.at[wg]
+    row_start = piece_ref[tile, wg] * BLOCK_ROWS
+    slot_cands = [cands_ref[tile, wg, j] for j in range(cands_per_block)]
+    for j, cand in enumerate(slot_cands):
+      plgpu.copy_gmem_to_smem(q_ref.at[cand, pl.ds(row_start, slot_rows), head],
+                              qo_smem.at[pl.ds(j * slot_rows, slot_rows)], q_ready.at[wg])
+    plgpu.barrier_wait(q_ready.at[wg])
+
+    rows = (BLOCK_ROWS,)
+    m_i = plgpu.layout_cast(jnp.full(rows, -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.full(rows, 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc = plgpu.layout_cast(jnp.full((BLOCK_ROWS, head_dim), 0.0, jnp.float32),
+                            plgpu.Layout.WGMMA)
+
+    @pl.when(kv_steps > 0)
+    def _():
+      plgpu.barrier_wait(k_ready.at[0])
+
+    # Offsets consumer 1 by half a step: from here on the two consumers take
+    # turns on the tensor cores (one runs WGMMA while the other does softmax).
+    pl.when(wg == 1)(schedule_barrier)
+
+    def kv_step_body(step, carry, masked: bool):
+      acc, m_i, l_i = carry
+      slot = lax.rem(step, stages)
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].T)
+        schedule_barrier()
+        return acc_ref[...]
+
+      logits = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, block_kv), jnp.float32))
+      plgpu.barrier_arrive(k_consumed.at[slot])
+      if masked:
+        key = plgpu.broadcasted_iota(jnp.int32, logits.shape, 1, layout=plgpu.Layout.WGMMA)
+        logits = jnp.where(key + step * block_kv < kv_len, logits, -jnp.inf)
+
+      # Base-2 online softmax; m_i is kept in units of log2 so `p` is one FMA + exp2.
+      m_new = jnp.maximum(m_i, logits.max(axis=1) * (scale * _LOG2E))
+      alpha = jnp.exp2(m_i - m_new)
+      p = jnp.exp2(logits * (scale * _LOG2E) - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+      acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+      l_i = l_i * alpha + p.sum(axis=1)
+      p16 = p.astype(dtype)
+      # Keep the softmax ahead of the barriers below (the compiler would
+      # otherwise sink it past them and serialize the two consumers).
+      acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(v_ready.at[slot])
+      plgpu.barrier_wait(schedule)
+
+      def wait_next_k():
+        next_step = step + 1
+
+        @pl.when(next_step < kv_steps)
+        def _():
+          plgpu.barrier_wait(k_ready.at[lax.rem(next_step, stages)])
+
+      acc = _accumulate_pv(acc, p16, v_smem.at[slot], then=wait_next_k, interpret=interpret)
+      plgpu.barrier_arrive(v_consumed.at[slot])
+      return acc, m_new, l_i
+
+    full_steps = kv_len // block_kv
+    carry = lax.fori_loop(0, full_steps, functools.partial(kv_step_body, masked=False),
+                          (acc, m_i, l_i))
+    acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps,
+                                  functools.partial(kv_step_body, masked=True), carry)
+    pl.when(wg == 0)(schedule_barrier)
+
+    # A user with no valid key has l == 0: write zeros rather than 0/0.
+    l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
+    acc /= lax.broadcast_in_dim(l_safe, acc.shape, [0])
+    qo_smem[...] = acc.astype(dtype)
+    if lse_ref is not None:
+      lse_smem2[wg] = (m_i + jnp.log2(l_i)) / _LOG2E
+    plgpu.commit_smem()
+    num_valid = num_valid_ref[tile, wg]
+    for j, cand in enumerate(slot_cands):
+      rows_j = pl.ds(j * slot_rows, slot_rows)
+
+      @pl.when(j < num_valid)
+      def _store():
+        plgpu.copy_smem_to_gmem(qo_smem.at[rows_j],
+                                out_ref.at[cand, pl.ds(row_start, slot_rows), head])
+        if lse_ref is not None:
+          plgpu.copy_smem_to_gmem(lse_smem2.at[wg, rows_j],
+                                  lse_ref.at[cand, head, pl.ds(row_start, slot_rows)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == NUM_CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+    def load(step, slot):
+      kv_block = (user, pl.ds(step * block_kv, block_kv), head)
+      plgpu.copy_gmem_to_smem(k_ref.at[kv_block], k_smem.at[slot], k_ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[kv_block], v_smem.at[slot], v_ready.at[slot])
+
+    for step in range(stages):
+      pl.when(step < kv_steps)(functools.partial(load, step, step))
+
+    @pl.loop(stages, jnp.maximum(kv_steps, stages))
+    def _(step):
+      slot = lax.rem(step, stages)
+      plgpu.barrier_wait(k_consumed.at[slot])
+      plgpu.barrier_wait(v_consumed.at[slot])
+      load(step, slot)
+
+
+def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: bool,
+            config: Config = Config(), interpret: bool = False):
+  """Packed-query target attention.
+
+  Args:
+    q: `[B, T, H, D]` bfloat16/float16, `T == tiles.num_queries`, D a multiple of 64.
+    k, v: `[U, S, H, D]`, same dtype, S a multiple of `config.block_kv` (TMA
+      would zero-fill a ragged tail, but the interpreter clamps the slice).
+    tiles: the packed query tiles (`block_rows == 64`, `NUM_CONSUMERS` blocks each).
+    tile_kv_len: `int32[num_tiles]`, the valid keys of each tile's user (0 for
+      dead tiles), in `[0, S]`.
+    scale: the logit scale.
+    save_lse: also return the float32 lse, `[B, H, T]`.
+    config: K/V block size and pipeline depth.
+    interpret: run under the Mosaic GPU interpreter.
+
+  Returns:
+    `out [B, T, H, D]`, and `lse [B, H, T]` (natural log) or None.
+  """
+  num_cands, num_queries, num_heads, head_dim = q.shape
+  if k.shape[1] % config.block_kv:
+    raise ValueError(f"S={k.shape[1]} must be a multiple of block_kv={config.block_kv}")
+  dtype = q.dtype
+  # No more pipeline stages than K/V blocks: the rest would only take shared memory.
+  stages = min(config.max_concurrent_steps, k.shape[1] // config.block_kv)
+  q_transforms = smem_transforms(head_dim, dtype)
+
+  def entry(*refs):
+    *in_refs, out_ref, lse_ref = refs if save_lse else (*refs, None)
+    scratch = (
+        plgpu.SMEM((NUM_CONSUMERS, BLOCK_ROWS, head_dim), dtype, transforms=q_transforms),
+        plgpu.SMEM((stages, config.block_kv, head_dim), dtype, transforms=q_transforms),
+        plgpu.SMEM((stages, config.block_kv, head_dim), dtype, transforms=q_transforms),
+        plgpu.SMEM((NUM_CONSUMERS, BLOCK_ROWS), jnp.float32) if save_lse else None,
+    )
+    pl.run_scoped(
+        lambda *scoped: _kernel(*in_refs, out_ref, lse_ref, scoped, scale=scale,
+                                slot_rows=tiles.slot_rows, config=config,
+                                interpret=interpret),
+        scratch,
+        (plgpu.Barrier(num_barriers=stages),
+         plgpu.Barrier(num_barriers=stages),
+         plgpu.Barrier(num_arrivals=tiles.cands_per_block, num_barriers=NUM_CONSUMERS)),
+        (plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),) * 2,
+        plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+        collective_axes="wg",
+    )
+
+  out_type = [jax.ShapeDtypeStruct(q.shape, dtype)]
+  if save_lse:
+    out_type.append(jax.ShapeDtypeStruct((num_cands, num_heads, num_queries), jnp.float32))
+  results = plgpu.kernel(
+      entry,
+      out_type=out_type,
+      grid=(num_heads, tiles.num_tiles),
+      grid_names=("heads", "tiles"),
+      num_threads=NUM_CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret_params(interpret),
+      kernel_name="ikbo_target_attention_mosaic_gpu",
+  )(tiles.user, tile_kv_len, tiles.cands, tiles.num_valid, tiles.piece, q, k, v)
+  return results[0], (results[1] if save_lse else None)

@@ -1,0 +1,124 @@
+"""Target attention on the Mosaic GPU packed-query kernel: interpreter, H200 lowering and GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from conftest import assert_within_reference_error, random_index, rel_err
+from ikbo_jax import CandidateIndex, target_attention
+
+
+def _problem(seed, num_users, num_cands, t, s, h, d, dtype=jnp.bfloat16, empty_users=1):
+  rng = np.random.default_rng(seed)
+  index = random_index(rng, num_users, num_cands, empty_users=empty_users)
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], (num_cands, t, h, d), jnp.float32).astype(dtype)
+  k = jax.random.normal(keys[1], (num_users, s, h, d), jnp.float32).astype(dtype)
+  v = jax.random.normal(keys[2], (num_users, s, h, d), jnp.float32).astype(dtype)
+  return (q, k, v), index
+
+
+def _check_forward(args, index, kv_len, **kwargs):
+  out, lse = target_attention(*args, index, kv_len=kv_len, return_lse=True,
+                              implementation="mosaic_gpu", **kwargs)
+  same, same_lse = target_attention(*args, index, kv_len=kv_len, return_lse=True,
+                                    implementation="xla_materialized")
+  f32, f32_lse = target_attention(*[a.astype(jnp.float32) for a in args], index, kv_len=kv_len,
+                                  return_lse=True, implementation="xla_materialized")
+  assert out.dtype == args[0].dtype and out.shape == args[0].shape
+  assert_within_reference_error(out, same, f32, floor=1e-4)
+  finite = np.isfinite(np.asarray(f32_lse))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(f32_lse)[finite],
+                             atol=2 * float(np.max(np.abs(same_lse - f32_lse)[finite])) + 1e-3)
+  ids = np.asarray(index.cand_to_user)
+  np.testing.assert_array_equal(np.asarray(out)[np.asarray(kv_len)[ids] == 0], 0)
+
+
+@pytest.mark.parametrize("t", [16, 32, 64, 128, 24])
+def test_interpret_forward_packs_any_n_seed(t):
+  # 9 candidates of 4 users (one without candidates, odd counts, unsorted);
+  # S = 200 is not a multiple of the 128-key block; lengths 0, 1 and S.
+  args, index = _problem(t, num_users=4, num_cands=9, t=t, s=200, h=2, d=64)
+  kv_len = jnp.array([200, 1, 0, 131])
+  _check_forward(args, index, kv_len, interpret=True)
+
+
+def test_interpret_single_user_head_dim_128_float16():
+  args, index = _problem(1, num_users=1, num_cands=3, t=64, s=128, h=1, d=128,
+                         dtype=jnp.float16, empty_users=0)
+  _check_forward(args, index, jnp.array([97]), interpret=True)
+
+
+def test_interpret_gradients_match_reference():
+  args, index = _problem(2, num_users=3, num_cands=5, t=32, s=128, h=1, d=64)
+  kv_len = jnp.array([128, 60, 5])
+
+  def loss(implementation, **kwargs):
+    return lambda *a: jnp.sum(target_attention(
+        *a, index, kv_len=kv_len, implementation=implementation, **kwargs
+    ).astype(jnp.float32) ** 2)
+
+  grads = jax.grad(loss("mosaic_gpu", interpret=True), argnums=(0, 1, 2))(*args)
+  ref = jax.grad(loss("xla"), argnums=(0, 1, 2))(*args)
+  for g, r in zip(grads, ref):
+    assert rel_err(g, r) < 2e-2  # the cotangent 2 * out carries the forward's rounding
+
+
+def test_mosaic_gpu_rejects_float32_and_unsupported_head_dims():
+  args, index = _problem(3, num_users=2, num_cands=3, t=16, s=64, h=1, d=64)
+  with pytest.raises(TypeError, match="bfloat16 and float16"):
+    target_attention(*[a.astype(jnp.float32) for a in args], index,
+                     implementation="mosaic_gpu", interpret=True)
+  args, index = _problem(3, num_users=2, num_cands=3, t=16, s=64, h=1, d=32)
+  with pytest.raises(ValueError, match="D=32"):
+    target_attention(*args, index, implementation="mosaic_gpu", interpret=True)
+
+
+def _abstract_h200():
+  return jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=AbstractDevice(
+      device_kind="NVIDIA H200", platform="cuda", num_cores=132)))
+
+
+@pytest.mark.parametrize("t,d", [(64, 128), (16, 128), (32, 64), (128, 64)])
+def test_lowers_for_h200_at_benchmark_shape(t, d, monkeypatch):
+  """Real CUDA lowering (forward, and forward + backward) of the benchmark configuration."""
+  from ikbo_jax import platform
+  monkeypatch.setattr(platform, "default_platform", lambda: "gpu")
+  monkeypatch.setattr(platform, "is_hopper", lambda: True)
+  num_cands, num_users, seq_len, heads = 2048, 32, 1024, 2
+  q = jax.ShapeDtypeStruct((num_cands, t, heads, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((num_users, seq_len, heads, d), jnp.bfloat16)
+  ids = jax.ShapeDtypeStruct((num_cands,), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((num_users,), jnp.int32)
+
+  def forward(q, k, v, ids, kv_len):
+    index = CandidateIndex.from_mapping(ids, num_users)
+    return target_attention(q, k, v, index, kv_len=kv_len)
+
+  def forward_backward(q, k, v, ids, kv_len):
+    return jax.grad(lambda *a: jnp.sum(forward(*a, ids, kv_len).astype(jnp.float32) ** 2),
+                    argnums=(0, 1, 2))(q, k, v)
+
+  with _abstract_h200():
+    for fn in (forward, forward_backward):
+      text = jax.jit(fn).trace(q, kv, kv, ids, lengths).lower(
+          lowering_platforms=("cuda",)).as_text()
+      assert "ikbo_target_attention_mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [16, 32, 64, 128])
+def test_gpu_forward_and_gradients_at_benchmark_heads(t):
+  """255 candidates of 5 users (one empty), H=2, D=128, S=1024 with jagged lengths."""
+  args, index = _problem(10 + t, num_users=5, num_cands=255, t=t, s=1024, h=2, d=128)
+  kv_len = jnp.array([1024, 1, 500, 0, 777])
+  _check_forward(args, index, kv_len)
+  loss = lambda impl: lambda *a: jnp.sum(target_attention(
+      *a, index, kv_len=kv_len, implementation=impl).astype(jnp.float32) ** 2)
+  grads = jax.grad(loss("mosaic_gpu"), argnums=(0, 1, 2))(*args)
+  ref = jax.grad(loss("xla_materialized"), argnums=(0, 1, 2))(*args)
+  for g, r in zip(grads, ref):
+    assert rel_err(g, r) < 2e-2
