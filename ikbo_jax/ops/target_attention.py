@@ -4,7 +4,8 @@
 with `u = cand_to_user` (DESIGN.md 2.2). This module holds the public op, its
 validation and its dispatch. The XLA implementations differentiate by autodiff.
 The kernel paths (Triton, Mosaic GPU) run their forward kernel under one
-`custom_vjp`.
+`custom_vjp` whose backward is the Triton dq and dk/dv kernels (dk/dv summed
+per user inside the kernel, deterministic).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ikbo_jax import _validation as checks
 from ikbo_jax import platform
 from ikbo_jax.index import CandidateIndex
 from ikbo_jax.kernels.triton import target_attention as triton_kernel
+from ikbo_jax.kernels.triton import target_attention_backward as triton_backward
 from ikbo_jax.ops import target_attention_mosaic as mosaic
 from ikbo_jax.ops import target_attention_xla as xla
 
@@ -45,19 +47,16 @@ def _kernel_attention(implementation, scale, interpret, return_lse, q, k, v, ind
 
 def _kernel_attention_fwd(implementation, scale, interpret, return_lse, q, k, v, index, kv_len):
   out, lse = _kernel_forward(implementation, scale, interpret, True, q, k, v, index, kv_len)
-  return ((out, lse) if return_lse else out), (q, k, v, index, kv_len)
+  return ((out, lse) if return_lse else out), (q, k, v, out, lse, index, kv_len)
 
 
 def _kernel_attention_bwd(implementation, scale, interpret, return_lse, residuals, cotangents):
-  del implementation, interpret
-  q, k, v, index, kv_len = residuals
-
-  def reference(q, k, v):
-    out, lse = xla.chunked(q, k, v, index.clamped_cand_to_user, kv_len, scale=scale)
-    return (out, lse) if return_lse else out
-
-  _, vjp = jax.vjp(reference, q, k, v)
-  return (*vjp(cotangents), None, None)
+  del implementation
+  q, k, v, out, lse, index, kv_len = residuals
+  d_out, d_lse = cotangents if return_lse else (cotangents, None)
+  grads = triton_backward.target_attention_backward(
+      q, k, v, out, lse, d_out, d_lse, index, kv_len, scale=scale, interpret=interpret)
+  return (*grads, None, None)
 
 
 _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)

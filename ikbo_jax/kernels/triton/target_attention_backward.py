@@ -1,0 +1,153 @@
+"""Target attention backward, Pallas Triton backend: dq per candidate, dk/dv per user.
+
+Both kernels recompute the probabilities from the forward's log-sum-exp,
+`p = exp(scale * q k^T - lse)`, and use `delta = rowsum(out * d_out)`
+(computed in XLA), as in FlashAttention-2:
+
+- dq: program `(b, h, t)` owns `block_t` query rows of candidate `b` and
+  streams its user's first `kv_len[u]` keys: `dq = scale * (p * (dp - delta)) k`
+  with `dp = d_out v^T`.
+- dk, dv: program `(u, s, h)` owns `block_s` keys of user `u` and loops over
+  that user's candidates (in the index's sort order), accumulating
+  `dv += p^T d_out` and `dk += scale * ds^T q` in float32 registers. Each user's
+  gradient is thus summed over all of its candidates inside one program: no
+  copy of K/V per candidate, no atomics, and the result is deterministic.
+  Keys past `kv_len[u]` get zero gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from ikbo_jax.index import CandidateIndex
+
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  block_t: int = 64
+  block_s: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+
+
+def _probs_and_dscores(q, k, v, d_out, lse, delta, col_ok, scale):
+  """`p` and `ds = p * (d_out v^T - delta)` of one (query block, key block) pair."""
+  logits = jnp.dot(q, k.T, preferred_element_type=_F32) * scale
+  # Rows of a user without keys have lse = -inf; they never reach here with a
+  # valid column, and masked columns must give p = 0 rather than exp(nan).
+  p = jnp.where(col_ok[None, :], jnp.exp(logits - lse[:, None]), 0.0)
+  dp = jnp.dot(d_out, v.T, preferred_element_type=_F32)
+  return p, p * (dp - delta[:, None])
+
+
+def _dq_kernel(cand_to_user_ref, kv_len_ref, q_ref, k_ref, v_ref, d_out_ref, lse_ref,
+               delta_ref, dq_ref, *, scale: float, config: Config):
+  num_t, head_dim = q_ref.shape[1], q_ref.shape[3]
+  bt, bs = config.block_t, config.block_s
+  b, h, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  user = cand_to_user_ref[b]
+  kv_len = kv_len_ref[user]
+  row_ok = ti * bt + jnp.arange(bt) < num_t
+  rows = (b, pl.ds(ti * bt, bt), h)
+  q = plt.load(q_ref.at[*rows, :], mask=row_ok[:, None], other=0.0)
+  d_out = plt.load(d_out_ref.at[*rows, :], mask=row_ok[:, None], other=0.0)
+  lse = plt.load(lse_ref.at[rows], mask=row_ok, other=0.0)
+  delta = plt.load(delta_ref.at[rows], mask=row_ok, other=0.0)
+
+  def s_step(j, dq):
+    col_ok = j * bs + jnp.arange(bs) < kv_len
+    keys = (user, pl.ds(j * bs, bs), h, slice(None))
+    k = plt.load(k_ref.at[keys], mask=col_ok[:, None], other=0.0)
+    v = plt.load(v_ref.at[keys], mask=col_ok[:, None], other=0.0)
+    _, ds = _probs_and_dscores(q, k, v, d_out, lse, delta, col_ok, scale)
+    return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=_F32)
+
+  dq = jax.lax.fori_loop(0, pl.cdiv(kv_len, bs), s_step, jnp.zeros((bt, head_dim), _F32))
+  plt.store(dq_ref.at[*rows, :], (dq * scale).astype(dq_ref.dtype), mask=row_ok[:, None])
+
+
+def _dkv_kernel(user_offsets_ref, sort_order_ref, kv_len_ref, q_ref, k_ref, v_ref, d_out_ref,
+                lse_ref, delta_ref, dk_ref, dv_ref, *, scale: float, block_t: int,
+                config: Config):
+  num_t, head_dim = q_ref.shape[1], q_ref.shape[3]
+  bs = config.block_s
+  u, sj, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  col_ok = sj * bs + jnp.arange(bs) < kv_len_ref[u]
+  keys = (u, pl.ds(sj * bs, bs), h, slice(None))
+  k = plt.load(k_ref.at[keys], mask=col_ok[:, None], other=0.0)
+  v = plt.load(v_ref.at[keys], mask=col_ok[:, None], other=0.0)
+  row_ok = jnp.arange(block_t) < num_t
+
+  def cand_step(i, carry):
+    dk, dv = carry
+    rows = (sort_order_ref[i], pl.ds(0, block_t), h)
+    q = plt.load(q_ref.at[*rows, :], mask=row_ok[:, None], other=0.0)
+    d_out = plt.load(d_out_ref.at[*rows, :], mask=row_ok[:, None], other=0.0)
+    # Padded rows: lse = +inf gives p = 0, so they add nothing.
+    lse = plt.load(lse_ref.at[rows], mask=row_ok, other=jnp.inf)
+    delta = plt.load(delta_ref.at[rows], mask=row_ok, other=0.0)
+    p, ds = _probs_and_dscores(q, k, v, d_out, lse, delta, col_ok, scale)
+    dv = dv + jnp.dot(p.astype(d_out.dtype).T, d_out, preferred_element_type=_F32)
+    dk = dk + jnp.dot(ds.astype(q.dtype).T, q, preferred_element_type=_F32)
+    return dk, dv
+
+  # A key block wholly past kv_len skips the loop and stores zeros.
+  first = user_offsets_ref[u]
+  last = jnp.where(sj * bs < kv_len_ref[u], user_offsets_ref[u + 1], first)
+  zeros = jnp.zeros((bs, head_dim), _F32)
+  dk, dv = jax.lax.fori_loop(first, last, cand_step, (zeros, zeros))
+  in_seq = sj * bs + jnp.arange(bs) < k_ref.shape[1]
+  plt.store(dk_ref.at[keys], (dk * scale).astype(dk_ref.dtype), mask=in_seq[:, None])
+  plt.store(dv_ref.at[keys], dv.astype(dv_ref.dtype), mask=in_seq[:, None])
+
+
+def target_attention_backward(q, k, v, out, lse, d_out, d_lse, index: CandidateIndex, kv_len, *,
+                              scale: float, config: Config = Config(), interpret: bool = False):
+  """`(dq, dk, dv)` of target attention.
+
+  Args:
+    q: `[B, T, H, D]`; `k`, `v`: `[U, S, H, D]`; `out`, `d_out`: `[B, T, H, D]`.
+    lse: `[B, T, H]` float32, the forward's log-sum-exp (`-inf` where `kv_len == 0`).
+    d_lse: None or the cotangent of `lse`; since `d lse / d logits = p`, it
+      enters as `delta - d_lse`.
+    index: the candidate index (its sort order and per-user offsets drive the
+      dk/dv loop); ids must already lie in `[0, U)`.
+    kv_len: `int32[U]` with values in `[0, S]`.
+    scale: the logit scale.
+    config: tile sizes and Triton launch parameters.
+    interpret: run under the Pallas interpreter (CPU testing).
+  """
+  num_cands, num_t, num_heads, _ = q.shape
+  num_users, seq_len = k.shape[:2]
+  delta = jnp.einsum("bthd,bthd->bth", out.astype(_F32), d_out.astype(_F32))
+  if d_lse is not None:
+    delta = delta - d_lse.astype(_F32)
+  d_out = d_out.astype(q.dtype)
+  params = plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, scale=scale, config=config),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(num_cands, num_heads, pl.cdiv(num_t, config.block_t)),
+      compiler_params=params,
+      interpret=interpret,
+      name="ikbo_target_attention_dq_triton",
+  )(index.clamped_cand_to_user, kv_len, q, k, v, d_out, lse, delta)
+  # One program holds all T rows of a candidate (T rounded up to a power of two).
+  block_t = max(16, pl.next_power_of_2(num_t))
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, scale=scale, block_t=block_t, config=config),
+      out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      grid=(num_users, pl.cdiv(seq_len, config.block_s), num_heads),
+      compiler_params=params,
+      interpret=interpret,
+      name="ikbo_target_attention_dkv_triton",
+  )(index.user_offsets, index.sort_order, kv_len, q, k, v, d_out, lse, delta)
+  return dq, dk, dv
