@@ -9,7 +9,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv > "
 timeout "${BENCH_TIMEOUT:-240}" python3 -m benchmarks.linear_compression ${BENCH_ARGS:-} \
   --out "$OUT/linear_compression_h200.json" > "$OUT/bench.log" 2>&1
 tail -n 13 "$OUT/bench.log"
-timeout 150 python3 -m benchmarks.target_attention --out "$OUT/target_attention_h200.json" \
+timeout 200 python3 -m benchmarks.target_attention --out "$OUT/target_attention_h200.json" \
   ${ATTN_ARGS:-} > "$OUT/attention_bench.log" 2>&1
 tail -n 6 "$OUT/attention_bench.log" | cut -c1-900
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests -m gpu -rA 2>&1 \

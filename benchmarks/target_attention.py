@@ -7,7 +7,8 @@ n_seed=64, bf16, S from 512 to 16384. Baselines in the same run: cuDNN on K/V
 broadcast outside the timing ("prebroadcast"), broadcast + cuDNN, and cuDNN on
 the zero-copy per-user packed layout (sorted, uniform counts: all of a user's
 candidate queries as one query sequence). Ours: the Triton and Mosaic GPU
-kernels with a shuffled and a sorted mapping, and Mosaic GPU with the published
+kernels with a shuffled and a sorted mapping, the Mosaic GPU kernel in its
+persistent form (one CTA per SM looping over tiles), and Mosaic GPU with the published
 odd counts (each user 64 or 65 candidates at random, so B differs and rows
 compare by TFLOP/s). Forward FLOPs are `4 * B * H * n_seed * S * D`; forward +
 backward counts 2.5x that.
@@ -24,10 +25,12 @@ import numpy as np
 
 from benchmarks import common
 from ikbo_jax import CandidateIndex, target_attention
+from ikbo_jax.kernels.mosaic_gpu import target_attention as mosaic_kernel
+from ikbo_jax.ops import target_attention_mosaic
 
 PUBLISHED = dict(num_candidates=2048, num_users=32, heads=2, head_dim=128, n_seed=64)
 SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
-BASELINES = ("cudnn_prebroadcast", "broadcast_cudnn", "cudnn_packed_sorted")
+BASELINES = ("cudnn_prebroadcast", "broadcast_cudnn", "cudnn_packed_sorted", "xla_materialized")
 
 
 def _cudnn(q, k, v):
@@ -89,6 +92,12 @@ def variants(seq_len, shape, dtype, on_gpu, with_backward):
   for impl in ("mosaic_gpu", "triton"):
     rows[f"{impl}_shuffled"] = (jax.jit(_ikbo(impl)), (q, k, v, index), flops(q))
     rows[f"{impl}_sorted"] = (jax.jit(_ikbo(impl)), (q, k, v, sorted_index), flops(q))
+  persistent = functools.partial(target_attention_mosaic.forward, save_lse=False,
+                                 scale=1 / np.sqrt(q.shape[-1]),
+                                 config=mosaic_kernel.Config(persistent=True))
+  rows["mosaic_gpu_persistent_shuffled"] = (
+      jax.jit(lambda q, k, v, index: persistent(q, k, v, index, jnp.full(u, seq_len))[0]),
+      (q, k, v, index), flops(q))
   odd = 64 + np.random.default_rng(seq_len).integers(0, 2, u)
   q_odd, k_odd, v_odd, _, _, odd_index = _inputs(seq_len, odd, shape, dtype, seq_len + 1)
   rows["mosaic_gpu_odd_shuffled"] = (jax.jit(_ikbo("mosaic_gpu")),

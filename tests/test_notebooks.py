@@ -13,11 +13,15 @@ NotebookClient = pytest.importorskip("nbclient").NotebookClient
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_linear_compression_notebook_executes(tmp_path):
+@pytest.mark.parametrize("name,expected", [
+    ("linear_compression", "baseline_materialized"),
+    ("target_attention", "xla_materialized"),
+])
+def test_notebook_executes_on_small_results(name, expected, tmp_path):
   results = tmp_path / "small.json"
-  subprocess.run([sys.executable, "-m", "benchmarks.linear_compression", "--small",
+  subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--small",
                   "--iterations", "2", "--out", str(results)], cwd=ROOT, check=True)
-  nb = nbformat.read(ROOT / "notebooks" / "linear_compression.ipynb", as_version=4)
+  nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
   os.environ["IKBO_RESULTS"] = str(results)
   try:
     NotebookClient(nb, timeout=300, kernel_name="python3",
@@ -26,4 +30,4 @@ def test_linear_compression_notebook_executes(tmp_path):
     del os.environ["IKBO_RESULTS"]
   outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                     for o in c.get("outputs", []))
-  assert "baseline_materialized" in outputs
+  assert expected in outputs

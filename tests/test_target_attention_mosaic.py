@@ -102,8 +102,15 @@ def test_lowers_for_h200_at_benchmark_shape(t, d, monkeypatch):
     return jax.grad(lambda *a: jnp.sum(forward(*a, ids, kv_len).astype(jnp.float32) ** 2),
                     argnums=(0, 1, 2))(q, k, v)
 
+  def forward_persistent(q, k, v, ids, kv_len):
+    from ikbo_jax.kernels.mosaic_gpu.target_attention import Config
+    from ikbo_jax.ops import target_attention_mosaic
+    return target_attention_mosaic.forward(
+        q, k, v, CandidateIndex.from_mapping(ids, num_users), kv_len, scale=0.1,
+        save_lse=True, config=Config(persistent=True))
+
   with _abstract_h200():
-    for fn in (forward, forward_backward):
+    for fn in (forward, forward_backward, forward_persistent):
       text = jax.jit(fn).trace(q, kv, kv, ids, lengths).lower(
           lowering_platforms=("cuda",)).as_text()
       assert "ikbo_target_attention_mosaic_gpu" in text
@@ -126,3 +133,19 @@ def test_gpu_forward_and_gradients_at_benchmark_heads(t):
   # dk/dv are summed per user inside one program (no atomics): bitwise repeatable.
   for g, again in zip(grads, grad_fn(*args)):
     np.testing.assert_array_equal(g, again)
+
+
+@pytest.mark.parametrize("t", [32, 128])
+def test_interpret_persistent_programs_loop_over_items(t):
+  """Two simulated SMs each run many (tile, head) items through one K/V pipeline."""
+  from ikbo_jax.kernels.mosaic_gpu.target_attention import Config
+  from ikbo_jax.ops import target_attention_mosaic
+  (q, k, v), index = _problem(20 + t, num_users=4, num_cands=9, t=t, s=256, h=2, d=64)
+  kv_len = jnp.array([256, 1, 0, 131])
+  out, lse = target_attention_mosaic.forward(
+      q, k, v, index, kv_len, scale=0.125, save_lse=True, config=Config(persistent=True),
+      interpret=True)
+  ref, ref_lse = target_attention(q, k, v, index, kv_len=kv_len, scale=0.125, return_lse=True,
+                                  implementation="mosaic_gpu", interpret=True)
+  np.testing.assert_array_equal(out, ref)
+  np.testing.assert_array_equal(lse, ref_lse)

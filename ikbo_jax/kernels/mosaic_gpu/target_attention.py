@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ikbo_jax.kernels.mosaic_gpu.common import (
-    NUM_CONSUMERS, PRODUCER_REGISTERS, interpret_params, smem_transforms)
+    NUM_CONSUMERS, PRODUCER_REGISTERS, interpret_params, num_sms, smem_transforms)
 from ikbo_jax.query_tiles import QueryTiles
 
 BLOCK_ROWS = 64  # query rows per consumer: one WGMMA M extent
@@ -44,6 +44,9 @@ _CONSUMER_REGISTERS = 232
 class Config:
   block_kv: int = 128
   max_concurrent_steps: int = 2
+  # One CTA per SM looping over the work items (the producer then prefetches
+  # the next item's K/V during this item's epilogue), or one CTA per item.
+  persistent: bool = False
 
   def __post_init__(self):
     if self.block_kv % 64:
@@ -73,16 +76,24 @@ def _accumulate_pv(acc, p, v_smem, *, then, interpret: bool):
 def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
             q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, *,
             scale: float, slot_rows: int, config: Config, interpret: bool):
-  head, tile = lax.axis_index("heads"), lax.axis_index("tiles")
-  wg = lax.axis_index("wg")
   (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), consumed, schedule = scoped
   k_consumed, v_consumed = consumed
+  wg = lax.axis_index("wg")
   head_dim, dtype = q_ref.shape[-1], q_ref.dtype
+  num_heads = q_ref.shape[2]
   block_kv, stages = config.block_kv, k_smem.shape[0]
   cands_per_block = cands_ref.shape[-1]
-  user = tile_user_ref[tile]
-  kv_len = tile_kv_len_ref[tile]
-  kv_steps = pl.cdiv(kv_len, block_kv)
+  # Work items (tile, head), head fastest so that the CTAs running together
+  # share a user's K/V in L2. Program p takes items p, p + P, p + 2P, ...
+  num_items = tile_user_ref.shape[0] * num_heads
+  program, num_programs = lax.axis_index("programs"), lax.axis_size("programs")
+  my_items = pl.cdiv(num_items - program, num_programs)
+
+  def item_info(i):
+    item = program + i * num_programs
+    tile, head = lax.div(item, num_heads), lax.rem(item, num_heads)
+    kv_len = tile_kv_len_ref[tile]
+    return tile, head, tile_user_ref[tile], kv_len, pl.cdiv(kv_len, block_kv)
 
   def schedule_barrier():
     plgpu.barrier_arrive(schedule)
@@ -92,112 +103,137 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
   def _consumer():
     plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
     qo_smem = qo_smem2.at[wg]
-    row_start = piece_ref[tile, wg] * BLOCK_ROWS
-    slot_cands = [cands_ref[tile, wg, j] for j in range(cands_per_block)]
-    for j, cand in enumerate(slot_cands):
-      plgpu.copy_gmem_to_smem(q_ref.at[cand, pl.ds(row_start, slot_rows), head],
-                              qo_smem.at[pl.ds(j * slot_rows, slot_rows)], q_ready.at[wg])
-    plgpu.barrier_wait(q_ready.at[wg])
 
-    rows = (BLOCK_ROWS,)
-    m_i = plgpu.layout_cast(jnp.full(rows, -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    l_i = plgpu.layout_cast(jnp.full(rows, 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    acc = plgpu.layout_cast(jnp.full((BLOCK_ROWS, head_dim), 0.0, jnp.float32),
-                            plgpu.Layout.WGMMA)
+    def item_body(i, first_step):
+      """One work item; `first_step` counts the K/V steps of earlier items (pipeline slots)."""
+      tile, head, _, kv_len, kv_steps = item_info(i)
+      row_start = piece_ref[tile, wg] * BLOCK_ROWS
+      slot_cands = [cands_ref[tile, wg, j] for j in range(cands_per_block)]
+      # The previous item's output stores must be done reading qo_smem.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      for j, cand in enumerate(slot_cands):
+        plgpu.copy_gmem_to_smem(q_ref.at[cand, pl.ds(row_start, slot_rows), head],
+                                qo_smem.at[pl.ds(j * slot_rows, slot_rows)], q_ready.at[wg])
+      plgpu.barrier_wait(q_ready.at[wg])
 
-    @pl.when(kv_steps > 0)
-    def _():
-      plgpu.barrier_wait(k_ready.at[0])
+      rows = (BLOCK_ROWS,)
+      m_i = plgpu.layout_cast(jnp.full(rows, -jnp.inf, jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
+      l_i = plgpu.layout_cast(jnp.full(rows, 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+      acc = plgpu.layout_cast(jnp.full((BLOCK_ROWS, head_dim), 0.0, jnp.float32),
+                              plgpu.Layout.WGMMA)
+      slot_of = lambda step: lax.rem(first_step + step, stages)
 
-    # Offsets consumer 1 by half a step: from here on the two consumers take
-    # turns on the tensor cores (one runs WGMMA while the other does softmax).
-    pl.when(wg == 1)(schedule_barrier)
+      @pl.when(kv_steps > 0)
+      def _():
+        plgpu.barrier_wait(k_ready.at[slot_of(0)])
 
-    def kv_step_body(step, carry, masked: bool):
-      acc, m_i, l_i = carry
-      slot = lax.rem(step, stages)
+      # Offsets consumer 1 by half a step: from here on the two consumers take
+      # turns on the tensor cores (one runs WGMMA while the other does softmax).
+      pl.when(wg == 1)(schedule_barrier)
 
-      def qk(acc_ref):
-        plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].T)
-        schedule_barrier()
-        return acc_ref[...]
+      def kv_step_body(step, carry, masked: bool):
+        acc, m_i, l_i = carry
+        slot = slot_of(step)
 
-      logits = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, block_kv), jnp.float32))
-      plgpu.barrier_arrive(k_consumed.at[slot])
-      if masked:
-        key = plgpu.broadcasted_iota(jnp.int32, logits.shape, 1, layout=plgpu.Layout.WGMMA)
-        logits = jnp.where(key + step * block_kv < kv_len, logits, -jnp.inf)
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].T)
+          schedule_barrier()
+          return acc_ref[...]
 
-      # Base-2 online softmax; m_i is kept in units of log2 so `p` is one FMA + exp2.
-      m_new = jnp.maximum(m_i, logits.max(axis=1) * (scale * _LOG2E))
-      alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(logits * (scale * _LOG2E) - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-      acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-      l_i = l_i * alpha + p.sum(axis=1)
-      p16 = p.astype(dtype)
-      # Keep the softmax ahead of the barriers below (the compiler would
-      # otherwise sink it past them and serialize the two consumers).
-      acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-      plgpu.barrier_arrive(schedule)
-      plgpu.barrier_wait(v_ready.at[slot])
-      plgpu.barrier_wait(schedule)
+        logits = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, block_kv), jnp.float32))
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        if masked:
+          key = plgpu.broadcasted_iota(jnp.int32, logits.shape, 1, layout=plgpu.Layout.WGMMA)
+          logits = jnp.where(key + step * block_kv < kv_len, logits, -jnp.inf)
 
-      def wait_next_k():
-        next_step = step + 1
+        # Base-2 online softmax; m_i is kept in units of log2 so `p` is one FMA + exp2.
+        m_new = jnp.maximum(m_i, logits.max(axis=1) * (scale * _LOG2E))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(logits * (scale * _LOG2E) - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l_i = l_i * alpha + p.sum(axis=1)
+        p16 = p.astype(dtype)
+        # Keep the softmax ahead of the barriers below (the compiler would
+        # otherwise sink it past them and serialize the two consumers).
+        acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(v_ready.at[slot])
+        plgpu.barrier_wait(schedule)
 
-        @pl.when(next_step < kv_steps)
-        def _():
-          plgpu.barrier_wait(k_ready.at[lax.rem(next_step, stages)])
+        def wait_next_k():
+          @pl.when(step + 1 < kv_steps)
+          def _():
+            plgpu.barrier_wait(k_ready.at[slot_of(step + 1)])
 
-      acc = _accumulate_pv(acc, p16, v_smem.at[slot], then=wait_next_k, interpret=interpret)
-      plgpu.barrier_arrive(v_consumed.at[slot])
-      return acc, m_new, l_i
+        acc = _accumulate_pv(acc, p16, v_smem.at[slot], then=wait_next_k, interpret=interpret)
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        return acc, m_new, l_i
 
-    full_steps = kv_len // block_kv
-    carry = lax.fori_loop(0, full_steps, functools.partial(kv_step_body, masked=False),
-                          (acc, m_i, l_i))
-    acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps,
-                                  functools.partial(kv_step_body, masked=True), carry)
-    pl.when(wg == 0)(schedule_barrier)
+      full_steps = kv_len // block_kv
+      carry = lax.fori_loop(0, full_steps, functools.partial(kv_step_body, masked=False),
+                            (acc, m_i, l_i))
+      acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps,
+                                    functools.partial(kv_step_body, masked=True), carry)
+      pl.when(wg == 0)(schedule_barrier)
 
-    # A user with no valid key has l == 0: write zeros rather than 0/0.
-    l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
-    acc /= lax.broadcast_in_dim(l_safe, acc.shape, [0])
-    qo_smem[...] = acc.astype(dtype)
-    if lse_ref is not None:
-      lse_smem2[wg] = (m_i + jnp.log2(l_i)) / _LOG2E
-    plgpu.commit_smem()
-    num_valid = num_valid_ref[tile, wg]
-    for j, cand in enumerate(slot_cands):
-      rows_j = pl.ds(j * slot_rows, slot_rows)
+      # A user with no valid key has l == 0: write zeros rather than 0/0.
+      l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
+      acc /= lax.broadcast_in_dim(l_safe, acc.shape, [0])
+      qo_smem[...] = acc.astype(dtype)
+      if lse_ref is not None:
+        lse_smem2[wg] = (m_i + jnp.log2(l_i)) / _LOG2E
+      plgpu.commit_smem()
+      num_valid = num_valid_ref[tile, wg]
+      for j, cand in enumerate(slot_cands):
+        rows_j = pl.ds(j * slot_rows, slot_rows)
 
-      @pl.when(j < num_valid)
-      def _store():
-        plgpu.copy_smem_to_gmem(qo_smem.at[rows_j],
-                                out_ref.at[cand, pl.ds(row_start, slot_rows), head])
-        if lse_ref is not None:
-          plgpu.copy_smem_to_gmem(lse_smem2.at[wg, rows_j],
-                                  lse_ref.at[cand, head, pl.ds(row_start, slot_rows)])
+        @pl.when(j < num_valid)
+        def _store():
+          plgpu.copy_smem_to_gmem(qo_smem.at[rows_j],
+                                  out_ref.at[cand, pl.ds(row_start, slot_rows), head])
+          if lse_ref is not None:
+            plgpu.copy_smem_to_gmem(lse_smem2.at[wg, rows_j],
+                                    lse_ref.at[cand, head, pl.ds(row_start, slot_rows)])
+      return first_step + kv_steps
+
+    lax.fori_loop(0, my_items, item_body, jnp.int32(0))
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == NUM_CONSUMERS)
   def _producer():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-    def load(step, slot):
-      kv_block = (user, pl.ds(step * block_kv, block_kv), head)
-      plgpu.copy_gmem_to_smem(k_ref.at[kv_block], k_smem.at[slot], k_ready.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[kv_block], v_smem.at[slot], v_ready.at[slot])
+    def item_body(i, first_step):
+      _, head, user, _, kv_steps = item_info(i)
 
-    for step in range(stages):
-      pl.when(step < kv_steps)(functools.partial(load, step, step))
+      # Runs ahead of the consumers by up to `stages` blocks, also across
+      # items: the next item's first K/V blocks load during this one's epilogue.
+      @pl.loop(0, kv_steps)
+      def _(step):
+        pipeline_step = first_step + step
+        slot = lax.rem(pipeline_step, stages)
 
-    @pl.loop(stages, jnp.maximum(kv_steps, stages))
-    def _(step):
-      slot = lax.rem(step, stages)
-      plgpu.barrier_wait(k_consumed.at[slot])
-      plgpu.barrier_wait(v_consumed.at[slot])
-      load(step, slot)
+        @pl.when(pipeline_step >= stages)
+        def _():
+          plgpu.barrier_wait(k_consumed.at[slot])
+          plgpu.barrier_wait(v_consumed.at[slot])
+
+        kv_block = (user, pl.ds(step * block_kv, block_kv), head)
+        plgpu.copy_gmem_to_smem(k_ref.at[kv_block], k_smem.at[slot], k_ready.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[kv_block], v_smem.at[slot], v_ready.at[slot])
+
+      return first_step + kv_steps
+
+    total_steps = lax.fori_loop(0, my_items, item_body, jnp.int32(0))
+    # Observe the consumers' last releases too, so every barrier phase is
+    # waited for before the barriers go away (the interpreter checks this).
+    for back in range(stages, 0, -1):
+      @pl.when(total_steps >= back)
+      def _():
+        slot = lax.rem(total_steps - back, stages)
+        plgpu.barrier_wait(k_consumed.at[slot])
+        plgpu.barrier_wait(v_consumed.at[slot])
 
 
 def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: bool,
@@ -251,11 +287,12 @@ def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: 
   out_type = [jax.ShapeDtypeStruct(q.shape, dtype)]
   if save_lse:
     out_type.append(jax.ShapeDtypeStruct((num_cands, num_heads, num_queries), jnp.float32))
+  num_items = tiles.num_tiles * num_heads
   results = plgpu.kernel(
       entry,
       out_type=out_type,
-      grid=(num_heads, tiles.num_tiles),
-      grid_names=("heads", "tiles"),
+      grid=(min(num_items, num_sms(interpret)) if config.persistent else num_items,),
+      grid_names=("programs",),
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
