@@ -46,7 +46,8 @@ class Config:
   max_concurrent_steps: int = 2
   # One CTA per SM looping over the work items (the producer then prefetches
   # the next item's K/V during this item's epilogue), or one CTA per item.
-  persistent: bool = False
+  # Persistent measured faster at every S on the H200 (0.269 vs 0.287 ms at S=1024).
+  persistent: bool = True
 
   def __post_init__(self):
     if self.block_kv % 64:
