@@ -36,6 +36,29 @@ def require_gpu(implementation: str, interpret: bool) -> None:
         "Pallas interpreter")
 
 
+def check_implementation(implementation: str, implementations: tuple, kernels: tuple, dtype,
+                         interpret: bool) -> None:
+  """A known implementation that can run here; `interpret` only with a kernel.
+
+  The Mosaic GPU kernels take 16-bit inputs and need a Hopper GPU (outside the
+  interpreter); op-specific limits are checked by the op.
+  """
+  if implementation not in implementations:
+    raise ValueError(
+        f"implementation must be one of {implementations} or None, got {implementation!r}")
+  if implementation not in kernels:
+    if interpret:
+      raise ValueError(f"interpret=True applies to kernel implementations {kernels} only")
+    return
+  if implementation == "mosaic_gpu" and jnp.dtype(dtype) == jnp.float32:
+    raise TypeError("implementation='mosaic_gpu' supports bfloat16 and float16 inputs, got float32")
+  require_gpu(implementation, interpret)
+  if implementation == "mosaic_gpu" and not interpret and not platform.is_hopper():
+    raise RuntimeError(
+        "implementation='mosaic_gpu' needs a Hopper GPU (compute capability 9.0), got "
+        f"{platform.gpu_compute_capability()}")
+
+
 def check_dim(name: str, x, axis: int, expected: int, meaning: str) -> None:
   if x.shape[axis] != expected:
     raise ValueError(

@@ -34,6 +34,14 @@ def random_lce_args(seed: int, m, k_user, k_cand, n, num_users, num_candidates, 
                .astype(dtype) for key, s in zip(keys, shapes))
 
 
+def random_attention_args(seed: int, num_users, num_candidates, t, s, h, d, dtype):
+  """Fresh normal `q [B, T, H, D]`, `k, v [U, S, H, D]` in `dtype`."""
+  keys = jax.random.split(jax.random.key(seed), 3)
+  shapes = ((num_candidates, t, h, d), (num_users, s, h, d), (num_users, s, h, d))
+  return tuple(jax.random.normal(key, shape, jnp.float32).astype(dtype)
+               for key, shape in zip(keys, shapes))
+
+
 def rel_err(x, ref) -> float:
   x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
   assert np.isfinite(x).all(), "non-finite output"

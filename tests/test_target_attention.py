@@ -8,19 +8,16 @@ import numpy as np
 import pytest
 from jax.experimental import checkify
 
-from conftest import assert_within_reference_error, random_index, rel_err
+from conftest import (assert_within_reference_error, random_attention_args, random_index,
+                      rel_err)
 from ikbo_jax import CandidateIndex, target_attention
 
 
 def _problem(seed, dtype, num_users=3, num_cands=7, empty_users=1, t=5, s=13, h=2, d=16):
   rng = np.random.default_rng(seed)
   index = random_index(rng, num_users, num_cands, empty_users=empty_users)
-  keys = jax.random.split(jax.random.key(seed), 3)
-  q = jax.random.normal(keys[0], (num_cands, t, h, d), jnp.float32).astype(dtype)
-  k = jax.random.normal(keys[1], (num_users, s, h, d), jnp.float32).astype(dtype)
-  v = jax.random.normal(keys[2], (num_users, s, h, d), jnp.float32).astype(dtype)
   kv_len = jnp.asarray(rng.integers(1, s + 1, num_users), jnp.int32)
-  return (q, k, v), index, kv_len
+  return random_attention_args(seed, num_users, num_cands, t, s, h, d, dtype), index, kv_len
 
 
 def _per_candidate_loop(q, k, v, ids, kv_len):

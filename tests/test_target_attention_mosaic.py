@@ -6,18 +6,15 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from conftest import assert_within_reference_error, random_index, rel_err
+from conftest import (assert_within_reference_error, random_attention_args, random_index,
+                      rel_err)
 from ikbo_jax import CandidateIndex, target_attention
 
 
 def _problem(seed, num_users, num_cands, t, s, h, d, dtype=jnp.bfloat16, empty_users=1):
   rng = np.random.default_rng(seed)
   index = random_index(rng, num_users, num_cands, empty_users=empty_users)
-  keys = jax.random.split(jax.random.key(seed), 3)
-  q = jax.random.normal(keys[0], (num_cands, t, h, d), jnp.float32).astype(dtype)
-  k = jax.random.normal(keys[1], (num_users, s, h, d), jnp.float32).astype(dtype)
-  v = jax.random.normal(keys[2], (num_users, s, h, d), jnp.float32).astype(dtype)
-  return (q, k, v), index
+  return random_attention_args(seed, num_users, num_cands, t, s, h, d, dtype), index
 
 
 def _check_forward(args, index, kv_len, **kwargs):

@@ -78,23 +78,6 @@ def default_implementation(dtype) -> str:
   return "triton"
 
 
-def _check_implementation(implementation: str, dtype, interpret: bool) -> None:
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(
-        f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
-  if implementation not in _KERNELS:
-    if interpret:
-      raise ValueError(f"interpret=True applies to kernel implementations {_KERNELS} only")
-    return
-  if implementation == "mosaic_gpu" and jnp.dtype(dtype) == jnp.float32:
-    raise TypeError("implementation='mosaic_gpu' supports bfloat16 and float16 inputs, got float32")
-  v.require_gpu(implementation, interpret)
-  if implementation == "mosaic_gpu" and not interpret and not platform.is_hopper():
-    raise RuntimeError(
-        "implementation='mosaic_gpu' needs a Hopper GPU (compute capability 9.0), got "
-        f"{platform.gpu_compute_capability()}")
-
-
 def linear_compression(w_user, w_cand, e_user, e_cand, index: CandidateIndex, *,
                        implementation: Implementation | None = None,
                        checked: bool = False, interpret: bool = False) -> jax.Array:
@@ -138,7 +121,7 @@ def linear_compression(w_user, w_cand, e_user, e_cand, index: CandidateIndex, *,
     if interpret:
       raise ValueError("interpret=True needs a named kernel implementation")
     implementation = default_implementation(dtype)
-  _check_implementation(implementation, dtype, interpret)
+  v.check_implementation(implementation, IMPLEMENTATIONS, _KERNELS, dtype, interpret)
   if checked:
     index.check()
   if implementation == "xla_materialized":

@@ -120,7 +120,8 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
     if interpret:
       raise ValueError("interpret=True needs a named kernel implementation")
     implementation = default_implementation(dtype, q.shape[-1])
-  _check_implementation(implementation, dtype, q.shape[-1], interpret)
+  checks.check_implementation(implementation, IMPLEMENTATIONS, _KERNELS, dtype, interpret)
+  _check_mosaic_head_dim(implementation, q.shape[-1])
   num_users, seq_len = k.shape[:2]
   kv_len = (jnp.full((num_users,), seq_len, jnp.int32) if kv_len is None
             else jnp.asarray(kv_len).astype(jnp.int32))
@@ -138,26 +139,10 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
   return (out, lse) if return_lse else out
 
 
-def _check_implementation(implementation: str, dtype, head_dim: int, interpret: bool) -> None:
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(
-        f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
-  if implementation not in _KERNELS:
-    if interpret:
-      raise ValueError(f"interpret=True applies to kernel implementations {_KERNELS} only")
-    return
-  checks.require_gpu(implementation, interpret)
-  if implementation != "mosaic_gpu":
-    return
-  if jnp.dtype(dtype) == jnp.float32:
-    raise TypeError("implementation='mosaic_gpu' supports bfloat16 and float16 inputs, got float32")
-  if head_dim not in mosaic.SUPPORTED_HEAD_DIMS:
+def _check_mosaic_head_dim(implementation: str, head_dim: int) -> None:
+  if implementation == "mosaic_gpu" and head_dim not in mosaic.SUPPORTED_HEAD_DIMS:
     raise ValueError(f"implementation='mosaic_gpu' supports head dims D in "
                      f"{mosaic.SUPPORTED_HEAD_DIMS}, got D={head_dim}")
-  if not interpret and not platform.is_hopper():
-    raise RuntimeError(
-        "implementation='mosaic_gpu' needs a Hopper GPU (compute capability 9.0), got "
-        f"{platform.gpu_compute_capability()}")
 
 
 def _check_args(q, k, v, index, kv_len) -> None:

@@ -17,7 +17,6 @@ Both kernels recompute the probabilities from the forward's log-sum-exp,
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -26,16 +25,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from ikbo_jax.index import CandidateIndex
+from ikbo_jax.kernels.triton.target_attention import Config
 
 _F32 = jnp.float32
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-  block_t: int = 64
-  block_s: int = 64
-  num_warps: int = 4
-  num_stages: int = 2
 
 
 def _probs_and_dscores(q, k, v, d_out, lse, delta, col_ok, scale):
@@ -122,7 +114,7 @@ def target_attention_backward(q, k, v, out, lse, d_out, d_lse, index: CandidateI
       dk/dv loop); ids must already lie in `[0, U)`.
     kv_len: `int32[U]` with values in `[0, S]`.
     scale: the logit scale.
-    config: tile sizes and Triton launch parameters.
+    config: tile sizes and Triton launch parameters (the forward's `Config`).
     interpret: run under the Pallas interpreter (CPU testing).
   """
   num_cands, num_t, num_heads, _ = q.shape
