@@ -37,15 +37,31 @@ def align_user_res(user_res, config: fused_kernel.Config):
   return pad_to_multiple(pad_to_multiple(user_res, 1, config.cta_tile_m), 2, config.cta_tile_n)
 
 
-def forward(w_user, w_cand, e_user, e_cand, cand_to_user, *, interpret: bool):
-  """The fused forward; also returns the aligned `e_cand` for the backward to reuse."""
+def forward(w_user, w_cand, e_user, e_cand, cand_to_user, *, interpret: bool,
+            single_launch: bool | None = None):
+  """The fused forward; also returns the aligned `e_cand` for the backward to reuse.
+
+  `single_launch` computes the user GEMM inside the candidate kernel's launch
+  instead of in XLA before it; None picks it wherever it can run (not under the
+  interpreter, which lacks the global semaphores it needs).
+  """
+  if single_launch is None:
+    single_launch = not interpret
   m, n = w_cand.shape[0], e_cand.shape[2]
   e_cand = align_embeddings(e_cand)
   config = FORWARD_CONFIG.for_n(e_cand.shape[2])
-  user_res = align_user_res(xla.user_result(w_user, e_user), config)
-  out = fused_kernel.batched_gemm(
-      align_weight(w_cand, e_cand.shape[1], config), e_cand, user_res, cand_to_user,
-      num_rows=m, config=config, interpret=interpret)
+  w_cand = align_weight(w_cand, e_cand.shape[1], config)
+  if single_launch:
+    if interpret:
+      raise ValueError("single_launch=True cannot run under the interpreter")
+    e_user = align_embeddings(e_user)
+    out = fused_kernel.single_launch_forward(
+        align_weight(w_user, e_user.shape[1], config), w_cand, e_user, e_cand, cand_to_user,
+        num_rows=m, config=config)
+  else:
+    user_res = align_user_res(xla.user_result(w_user, e_user), config)
+    out = fused_kernel.batched_gemm(w_cand, e_cand, user_res, cand_to_user, num_rows=m,
+                                    config=config, interpret=interpret)
   return out[:, :, :n], e_cand
 
 

@@ -7,15 +7,28 @@ dOut[b]`.
 
 One CTA per SM loops over output tiles `(b, m, n)`, `b` outermost so that the
 CTAs running at one time share `E[b]` in L2. A producer warpgroup streams `A`
-and `E[b]` K-tiles through shared memory with TMA; two consumer warpgroups, one
-per half of the tile's M extent, run WGMMA into float32 accumulators. Splitting
-M rather than N lets both consumers read the same `E[b]` tile, which is the
-operand that dominates traffic. In the epilogue each consumer adds its tile
-of `user_res[cand_to_user[b]]` to the float32 accumulator before the single
-rounding. The user rows are loaded from global memory straight into the WGMMA
-register layout, one chunk ahead (the first during the K loop), so the
-epilogue does not stall on them; no shared memory and no broadcast of
-`user_res` to the candidate batch is involved.
+and `E[b]` K-tiles through shared memory with TMA; two consumer warpgroups run
+WGMMA into float32 accumulators, side by side along M or N (`Config.split`). In
+the epilogue each consumer adds its tile of `user_res[cand_to_user[b]]` to the
+float32 accumulator before the single rounding. The user rows are loaded from
+global memory straight into the WGMMA register layout, one chunk ahead (the
+first during the K loop), so the epilogue does not stall on them; no shared
+memory and no broadcast of `user_res` to the candidate batch is involved.
+
+`single_launch_forward` also computes `user_res[u] = W_user @ E_user[u]` in the
+same launch (the published "stage 4"): the user tiles are the first work items
+of the persistent loop, so every CTA finishes its user tiles before it starts
+on candidates. A consumer that finishes a user tile stores it in float32 and
+raises that tile's global semaphore to 1; a candidate tile waits, without
+decrementing, only on the user tile it adds. The semaphores start at zero in
+every call (Pallas zero-fills the global scratch per launch), so counts of
+waiters are never needed and a wrong count can never hang the launch. Because each CTA takes its items in
+increasing order and user items precede all candidate items, a waited-on user
+tile is always either done or being computed by a CTA that does not wait:
+the launch cannot deadlock as long as its `num_sms` CTAs are resident
+together, which one CTA per SM guarantees. The interpreter has no global
+semaphores, so this variant runs on the GPU only (CPU CI lowers it for an
+abstract H200).
 
 Ragged M and the K tail rely on TMA bounds handling: loads past the end of a
 dimension read zeros and stores past it are dropped, per dimension of the
@@ -32,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,39 +91,67 @@ class Config:
     return dataclasses.replace(self, tile_n=cta_tile_n * self.tile_n // self.cta_tile_n)
 
 
-def _kernel(cand_to_user_gmem, a_gmem, e_gmem, *user_res_and_out, config: Config):
-  user_res_gmem, out_gmem = (None, *user_res_and_out) if len(user_res_and_out) == 1 else (
-      user_res_and_out)
+class _UserGemm(NamedTuple):
+  """Refs of the user GEMM computed inside the launch (single-launch forward only)."""
+
+  a: jax.Array  # W_user [M_p, K_user_p]
+  e: jax.Array  # E_user [U, K_user, N]
+  ready: jax.Array  # one global semaphore per (user, CTA tile, consumer)
+
+
+def _k_pipeline(config: Config, k: int, max_concurrent_steps: int, dtype):
+  """The TMA -> WGMMA pipeline over the K tiles of one output tile."""
+  in_transforms = smem_transforms(config.tile_k, dtype)
+  spec = functools.partial(plgpu.BlockSpec, transforms=in_transforms,
+                           delay_release=config.delay_release)
+
+  def build(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(pl.cdiv(k, config.tile_k),),
+        memory_registers=PRODUCER_REGISTERS,
+        in_specs=[spec((config.cta_tile_m, config.tile_k), lambda kk: (0, kk)),
+                  spec((config.tile_k, config.cta_tile_n), lambda kk: (kk, 0))],
+        wg_axis="wg",
+        num_compute_wgs=NUM_CONSUMERS,
+        max_concurrent_steps=max_concurrent_steps,
+        compute_context=compute_context,
+    )
+  return build
+
+
+def _body(cand_to_user_gmem, a_gmem, e_gmem, user_res_gmem, out_gmem, user: _UserGemm | None,
+          *, config: Config):
   num_cands, k, n = e_gmem.shape
   m = out_gmem.shape[1]
   out_dtype = out_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   cta_tile_m, cta_tile_n, epi_tile_n = config.cta_tile_m, config.cta_tile_n, config.epi_tile_n
   m_iters, n_iters = pl.cdiv(m, cta_tile_m), pl.cdiv(n, cta_tile_n)
-  in_transforms = smem_transforms(tile_k, e_gmem.dtype)
-
-  def pipeline(body, compute_context):
-    return plgpu.emit_pipeline_warp_specialized(
-        body,
-        grid=(pl.cdiv(k, tile_k),),
-        memory_registers=PRODUCER_REGISTERS,
-        in_specs=[
-            plgpu.BlockSpec((cta_tile_m, tile_k), lambda kk: (0, kk),
-                            transforms=in_transforms, delay_release=config.delay_release),
-            plgpu.BlockSpec((tile_k, cta_tile_n), lambda kk: (kk, 0),
-                            transforms=in_transforms, delay_release=config.delay_release),
-        ],
-        wg_axis="wg",
-        num_compute_wgs=NUM_CONSUMERS,
-        max_concurrent_steps=config.max_concurrent_steps,
-        compute_context=compute_context,
-    )
-
+  num_users = 0 if user is None else user.e.shape[0]
+  # Both pipelines share one set of shared-memory slots, so they need the same depth.
+  k_steps = [pl.cdiv(k, tile_k)] + ([] if user is None else [pl.cdiv(user.e.shape[1], tile_k)])
+  depth = min(config.max_concurrent_steps, *k_steps)
+  cand_pipeline = _k_pipeline(config, k, depth, e_gmem.dtype)
+  user_pipeline = None if user is None else _k_pipeline(config, user.e.shape[1], depth,
+                                                        e_gmem.dtype)
   ignore = lambda *_, **__: None
+
+  def mma_step(_, a_smem, e_smem, acc_ref, *, wg_m, wg_n):
+    plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg_m, tile_m)], e_smem.at[:, pl.ds(wg_n, tile_n)])
+    plgpu.wgmma_wait(config.delay_release)
+    return acc_ref
+
+  def accumulate(eval_pipeline):
+    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+    def acc(acc_ref):
+      eval_pipeline(acc_ref)
+      return acc_ref[...]
+    return acc
 
   @functools.partial(
       pl.run_scoped,
-      pipeline_allocs=pipeline(ignore, ignore).get_allocations(a_gmem, e_gmem.at[0]),
+      pipeline_allocs=cand_pipeline(ignore, ignore).get_allocations(a_gmem, e_gmem.at[0]),
       # Row tiling of 1: a tiling of 8 rows would require M % 8 == 0 in `out`.
       out_smem=plgpu.SMEM((NUM_CONSUMERS, 2, tile_m, epi_tile_n), out_dtype,
                           transforms=smem_transforms(epi_tile_n, out_dtype, rows=1)),
@@ -118,62 +159,89 @@ def _kernel(cand_to_user_gmem, a_gmem, e_gmem, *user_res_and_out, config: Config
   )
   def _scope(pipeline_allocs, out_smem):
     wg = lax.axis_index("wg")
+    # This consumer's offsets inside the CTA tile.
+    wg_m, wg_n = (wg * tile_m, 0) if config.split == "m" else (0, wg * tile_n)
+    mma = functools.partial(mma_step, wg_m=wg_m, wg_n=wg_n)
 
-    @plgpu.nd_loop((num_cands, m_iters, n_iters), collective_axes="sm")
+    @plgpu.nd_loop((num_users + num_cands, m_iters, n_iters), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
-      b, mi, ni = loop_info.index
-
-      # This consumer's offsets inside the CTA tile.
-      wg_m, wg_n = (wg * tile_m, 0) if config.split == "m" else (0, wg * tile_n)
+      item, mi, ni = loop_info.index
       wg_m_slice = pl.ds(mi * cta_tile_m + wg_m, tile_m)
+      wg_n_slice = pl.ds(ni * cta_tile_n + wg_n, tile_n)
+      ready = lambda u: user.ready.at[((u * m_iters + mi) * n_iters + ni) * NUM_CONSUMERS + wg]
 
-      def compute_context(eval_pipeline):
-        num_epi = tile_n // epi_tile_n
-        user_tile = None if user_res_gmem is None else user_res_gmem.at[
-            cand_to_user_gmem[b], wg_m_slice, pl.ds(ni * cta_tile_n + wg_n, tile_n)]
+      def user_tile(u):
+        def compute_context(eval_pipeline):
+          user_res_gmem[u, wg_m_slice, wg_n_slice] = accumulate(eval_pipeline)
+          plgpu.semaphore_signal(ready(u), 1, memory_scope="gpu")
 
-        def load_user_chunk(epi):
-          if user_tile is None or epi == num_epi:
-            return None
-          return plgpu.load(user_tile.at[:, pl.ds(epi * epi_tile_n, epi_tile_n)],
-                            layout=plgpu.Layout.WGMMA, optimized=False)
+        user_pipeline(mma, compute_context)(
+            user.a.at[pl.ds(mi * cta_tile_m, cta_tile_m), :],
+            user.e.at[u, :, pl.ds(ni * cta_tile_n, cta_tile_n)],
+            allocations=pipeline_allocs)
 
-        # Software-pipelined user loads: chunk 0 is in flight during the K loop
-        # and each later chunk during the store of the one before, so the
-        # epilogue does not wait on global memory latency.
-        next_user_chunk = load_user_chunk(0)
+      def cand_tile(b):
+        def compute_context(eval_pipeline):
+          num_epi = tile_n // epi_tile_n
+          user_tile_ref = None
+          if user_res_gmem is not None:
+            u = cand_to_user_gmem[b]
+            if user is not None:
+              plgpu.semaphore_wait(ready(u), 1, decrement=False, memory_scope="gpu")
+            user_tile_ref = user_res_gmem.at[u, wg_m_slice, wg_n_slice]
 
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-        def acc(acc_ref):
-          eval_pipeline(acc_ref)
-          return acc_ref[...]
+          def load_user_chunk(epi):
+            if user_tile_ref is None or epi == num_epi:
+              return None
+            return plgpu.load(user_tile_ref.at[:, pl.ds(epi * epi_tile_n, epi_tile_n)],
+                              layout=plgpu.Layout.WGMMA, optimized=False)
 
-        for epi in range(num_epi):
-          slot = epi % 2
-          out_tile = acc[:, epi * epi_tile_n:(epi + 1) * epi_tile_n]
-          if user_tile is not None:
-            user_chunk, next_user_chunk = next_user_chunk, load_user_chunk(epi + 1)
-            out_tile += user_chunk
-          # The slot's previous TMA store must have read it before we overwrite.
-          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-          out_smem[wg, slot] = out_tile.astype(out_dtype)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(
-              out_smem.at[wg, slot],
-              out_gmem.at[b, wg_m_slice, pl.ds(ni * cta_tile_n + wg_n + epi * epi_tile_n,
-                                              epi_tile_n)])
+          # Software-pipelined user loads: chunk 0 is in flight during the K loop
+          # and each later chunk during the store of the one before, so the
+          # epilogue does not wait on global memory latency.
+          next_user_chunk = load_user_chunk(0)
+          acc = accumulate(eval_pipeline)
+          for epi in range(num_epi):
+            slot = epi % 2
+            out_tile = acc[:, epi * epi_tile_n:(epi + 1) * epi_tile_n]
+            if user_tile_ref is not None:
+              user_chunk, next_user_chunk = next_user_chunk, load_user_chunk(epi + 1)
+              out_tile += user_chunk
+            # The slot's previous TMA store must have read it before we overwrite.
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            out_smem[wg, slot] = out_tile.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                out_smem.at[wg, slot],
+                out_gmem.at[b, wg_m_slice, pl.ds(ni * cta_tile_n + wg_n + epi * epi_tile_n,
+                                                epi_tile_n)])
 
-      def mma_step(_, a_smem, e_smem, acc_ref):
-        plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg_m, tile_m)], e_smem.at[:, pl.ds(wg_n, tile_n)])
-        plgpu.wgmma_wait(config.delay_release)
-        return acc_ref
+        cand_pipeline(mma, compute_context)(
+            a_gmem.at[pl.ds(mi * cta_tile_m, cta_tile_m), :],
+            e_gmem.at[b, :, pl.ds(ni * cta_tile_n, cta_tile_n)],
+            allocations=pipeline_allocs)
 
-      pipeline(mma_step, compute_context)(
-          a_gmem.at[pl.ds(mi * cta_tile_m, cta_tile_m), :],
-          e_gmem.at[b, :, pl.ds(ni * cta_tile_n, cta_tile_n)],
-          allocations=pipeline_allocs)
+      if user is None:
+        cand_tile(item)
+      else:
+        pl.when(item < num_users)(lambda: user_tile(item))
+        pl.when(item >= num_users)(lambda: cand_tile(item - num_users))
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _launch(body, out_type, interpret: bool):
+  return plgpu.kernel(
+      body,
+      out_type=out_type,
+      grid=(num_sms(interpret),),
+      grid_names=("sm",),
+      num_threads=NUM_CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=compiler_params(),
+      interpret=interpret_params(interpret),
+      kernel_name="ikbo_linear_compression_mosaic_gpu",
+  )
 
 
 def batched_gemm(a, e, user_res=None, cand_to_user=None, *, num_rows: int,
@@ -191,18 +259,46 @@ def batched_gemm(a, e, user_res=None, cand_to_user=None, *, num_rows: int,
     interpret: run under the Mosaic GPU interpreter (CPU testing).
   """
   num_cands, _, n = e.shape
+  out_type = jax.ShapeDtypeStruct((num_cands, num_rows, n), e.dtype)
   if user_res is None:
+    body = lambda cand_to_user, a, e, out: _body(cand_to_user, a, e, None, out, None,
+                                                 config=config)
     cand_to_user = jnp.zeros((1,), jnp.int32)  # unused; keeps one kernel signature
-  out = plgpu.kernel(
-      functools.partial(_kernel, config=config),
-      out_type=jax.ShapeDtypeStruct((num_cands, num_rows, n), e.dtype),
-      grid=(num_sms(interpret),),
-      grid_names=("sm",),
-      num_threads=NUM_CONSUMERS + 1,
-      thread_name="wg",
-      compiler_params=compiler_params(),
-      interpret=interpret_params(interpret),
-      kernel_name="ikbo_linear_compression_mosaic_gpu",
-  )
-  user_operand = () if user_res is None else (user_res,)
-  return out(cand_to_user, a, e, *user_operand)
+    return _launch(body, out_type, interpret)(cand_to_user, a, e)
+  body = lambda cand_to_user, a, e, user_res, out: _body(cand_to_user, a, e, user_res, out, None,
+                                                         config=config)
+  return _launch(body, out_type, interpret)(cand_to_user, a, e, user_res)
+
+
+def single_launch_forward(a_user, a_cand, e_user, e_cand, cand_to_user, *, num_rows: int,
+                          config: Config = Config()):
+  """`out[b] = a_cand @ e_cand[b] + a_user @ e_user[cand_to_user[b]]`, one launch, rounded once.
+
+  Args:
+    a_user, a_cand: `[M_p, K_p]` weights, as `a` of `batched_gemm`.
+    e_user: `[U, K_user, N]`; `e_cand`: `[B, K_cand, N]`; both as `e` of `batched_gemm`.
+    cand_to_user: `int32[B]` with values in `[0, U)`.
+    num_rows: M, the rows of the output.
+    config: tile sizes.
+
+  Returns:
+    `out [B, num_rows, N]` in `e_cand.dtype`.
+  """
+  num_users, _, n = e_user.shape
+  num_cands = e_cand.shape[0]
+  m_iters, n_iters = pl.cdiv(num_rows, config.cta_tile_m), pl.cdiv(n, config.cta_tile_n)
+  num_semaphores = num_users * m_iters * n_iters * NUM_CONSUMERS
+
+  def body(cand_to_user, a_cand, e_cand, a_user, e_user, out, user_res):
+    ready = pl.get_global(plgpu.SemaphoreType.REGULAR((num_semaphores,)))
+    _body(cand_to_user, a_cand, e_cand, user_res, out, _UserGemm(a_user, e_user, ready),
+          config=config)
+
+  out_type = (
+      jax.ShapeDtypeStruct((num_cands, num_rows, n), e_cand.dtype),
+      # The user results live only inside the launch; float32 keeps the single rounding.
+      jax.ShapeDtypeStruct((num_users, m_iters * config.cta_tile_m, n_iters * config.cta_tile_n),
+                           jnp.float32))
+  out, _ = _launch(body, out_type, interpret=False)(
+      cand_to_user, a_cand, e_cand, a_user, e_user)
+  return out
