@@ -20,7 +20,8 @@ same launch (the published "stage 4"): the user tiles are the first work items
 of the persistent loop, so every CTA finishes its user tiles before it starts
 on candidates. A consumer that finishes a user tile stores it in float32 and
 raises that tile's global semaphore to 1; a candidate tile waits, without
-decrementing, only on the user tile it adds. The semaphores start at zero in
+decrementing, only on the user tile it adds, and only until its consumer has
+seen a global count say that every user tile is done. The semaphores start at zero in
 every call (Pallas zero-fills the global scratch per launch), so counts of
 waiters are never needed and a wrong count can never hang the launch. Because each CTA takes its items in
 increasing order and user items precede all candidate items, a waited-on user
@@ -97,6 +98,7 @@ class _UserGemm(NamedTuple):
   a: jax.Array  # W_user [M_p, K_user_p]
   e: jax.Array  # E_user [U, K_user, N]
   ready: jax.Array  # one global semaphore per (user, CTA tile, consumer)
+  all_ready: jax.Array  # a global semaphore counting the signals on `ready`
 
 
 def _k_pipeline(config: Config, k: int, max_concurrent_steps: int, dtype):
@@ -163,17 +165,29 @@ def _body(cand_to_user_gmem, a_gmem, e_gmem, user_res_gmem, out_gmem, user: _Use
     wg_m, wg_n = (wg * tile_m, 0) if config.split == "m" else (0, wg * tile_n)
     mma = functools.partial(mma_step, wg_m=wg_m, wg_n=wg_n)
 
-    @plgpu.nd_loop((num_users + num_cands, m_iters, n_iters), collective_axes="sm")
-    def _tile_loop(loop_info: plgpu.NDLoopInfo):
+    num_ready_signals = num_users * m_iters * n_iters * NUM_CONSUMERS
+
+    def tile(loop_info: plgpu.NDLoopInfo, carry=None):
       item, mi, ni = loop_info.index
       wg_m_slice = pl.ds(mi * cta_tile_m + wg_m, tile_m)
       wg_n_slice = pl.ds(ni * cta_tile_n + wg_n, tile_n)
       ready = lambda u: user.ready.at[((u * m_iters + mi) * n_iters + ni) * NUM_CONSUMERS + wg]
+      users_done = None
+      if user is not None:
+        # A per-tile wait costs an L2 round trip and a fence on the consumers'
+        # critical path. All user tiles are done after about the first wave, so
+        # each consumer polls the count of finished user tiles (an acquire load)
+        # until it is complete and from then on skips the waits.
+        users_done = lax.cond(
+            carry == 0,
+            lambda: (pl.semaphore_read(user.all_ready) >= num_ready_signals).astype(jnp.int32),
+            lambda: carry)
 
       def user_tile(u):
         def compute_context(eval_pipeline):
           user_res_gmem[u, wg_m_slice, wg_n_slice] = accumulate(eval_pipeline)
           plgpu.semaphore_signal(ready(u), 1, memory_scope="gpu")
+          plgpu.semaphore_signal(user.all_ready, 1, memory_scope="gpu")
 
         user_pipeline(mma, compute_context)(
             user.a.at[pl.ds(mi * cta_tile_m, cta_tile_m), :],
@@ -187,7 +201,8 @@ def _body(cand_to_user_gmem, a_gmem, e_gmem, user_res_gmem, out_gmem, user: _Use
           if user_res_gmem is not None:
             u = cand_to_user_gmem[b]
             if user is not None:
-              plgpu.semaphore_wait(ready(u), 1, decrement=False, memory_scope="gpu")
+              pl.when(users_done == 0)(lambda: plgpu.semaphore_wait(
+                  ready(u), 1, decrement=False, memory_scope="gpu"))
             user_tile_ref = user_res_gmem.at[u, wg_m_slice, wg_n_slice]
 
           def load_user_chunk(epi):
@@ -223,9 +238,16 @@ def _body(cand_to_user_gmem, a_gmem, e_gmem, user_res_gmem, out_gmem, user: _Use
 
       if user is None:
         cand_tile(item)
-      else:
-        pl.when(item < num_users)(lambda: user_tile(item))
-        pl.when(item >= num_users)(lambda: cand_tile(item - num_users))
+        return None
+      pl.when(item < num_users)(lambda: user_tile(item))
+      pl.when(item >= num_users)(lambda: cand_tile(item - num_users))
+      return users_done
+
+    grid = (num_users + num_cands, m_iters, n_iters)
+    if user is None:
+      plgpu.nd_loop(grid, collective_axes="sm")(tile)
+    else:
+      plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))(tile)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -290,8 +312,9 @@ def single_launch_forward(a_user, a_cand, e_user, e_cand, cand_to_user, *, num_r
   num_semaphores = num_users * m_iters * n_iters * NUM_CONSUMERS
 
   def body(cand_to_user, a_cand, e_cand, a_user, e_user, out, user_res):
-    ready = pl.get_global(plgpu.SemaphoreType.REGULAR((num_semaphores,)))
-    _body(cand_to_user, a_cand, e_cand, user_res, out, _UserGemm(a_user, e_user, ready),
+    ready = pl.get_global(plgpu.SemaphoreType.REGULAR((num_semaphores + 1,)))
+    _body(cand_to_user, a_cand, e_cand, user_res, out,
+          _UserGemm(a_user, e_user, ready.at[:num_semaphores], ready.at[num_semaphores]),
           config=config)
 
   out_type = (
