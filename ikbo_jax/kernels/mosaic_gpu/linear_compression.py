@@ -19,17 +19,16 @@ memory and no broadcast of `user_res` to the candidate batch is involved.
 same launch (the published "stage 4"): the user tiles are the first work items
 of the persistent loop, so every CTA finishes its user tiles before it starts
 on candidates. A consumer that finishes a user tile stores it in float32 and
-raises that tile's global semaphore to 1; a candidate tile waits, without
-decrementing, only on the user tile it adds, and only until its consumer has
-seen a global count say that every user tile is done. The semaphores start at zero in
-every call (Pallas zero-fills the global scratch per launch), so counts of
-waiters are never needed and a wrong count can never hang the launch. Because each CTA takes its items in
-increasing order and user items precede all candidate items, a waited-on user
-tile is always either done or being computed by a CTA that does not wait:
-the launch cannot deadlock as long as its `num_sms` CTAs are resident
-together, which one CTA per SM guarantees. The interpreter has no global
-semaphores, so this variant runs on the GPU only (CPU CI lowers it for an
-abstract H200).
+increments one global semaphore. The first candidate tile of each CTA waits
+until that count covers every user tile; the later ones need no wait, which
+keeps the check off the consumers' critical path (a wait is an L2 round trip
+and a fence; per tile it measured slower than two launches). The semaphore
+starts at zero in every call (Pallas zero-fills the global scratch per
+launch). Each CTA takes its items in increasing order and all user items
+precede all candidate items, so user tiles never wait on anything: the launch
+cannot deadlock as long as its `num_sms` CTAs are resident together, which one
+CTA per SM guarantees. The interpreter has no global semaphores, so this
+variant runs on the GPU only (CPU CI lowers it for an abstract H200).
 
 Ragged M and the K tail rely on TMA bounds handling: loads past the end of a
 dimension read zeros and stores past it are dropped, per dimension of the
@@ -97,8 +96,7 @@ class _UserGemm(NamedTuple):
 
   a: jax.Array  # W_user [M_p, K_user_p]
   e: jax.Array  # E_user [U, K_user, N]
-  ready: jax.Array  # one global semaphore per (user, CTA tile, consumer)
-  all_ready: jax.Array  # a global semaphore counting the signals on `ready`
+  tiles_done: jax.Array  # a global semaphore: consumers that stored their user tile
 
 
 def _k_pipeline(config: Config, k: int, max_concurrent_steps: int, dtype):
@@ -165,29 +163,24 @@ def _body(cand_to_user_gmem, a_gmem, e_gmem, user_res_gmem, out_gmem, user: _Use
     wg_m, wg_n = (wg * tile_m, 0) if config.split == "m" else (0, wg * tile_n)
     mma = functools.partial(mma_step, wg_m=wg_m, wg_n=wg_n)
 
-    num_ready_signals = num_users * m_iters * n_iters * NUM_CONSUMERS
+    # Every consumer of every user tile signals once.
+    num_user_signals = num_users * m_iters * n_iters * NUM_CONSUMERS
+    num_user_steps = num_users * m_iters * n_iters
 
-    def tile(loop_info: plgpu.NDLoopInfo, carry=None):
+    def tile(loop_info: plgpu.NDLoopInfo):
       item, mi, ni = loop_info.index
+      # The CTA's first candidate tile: its step before was a user tile or none.
+      # That tile waits (one polling thread, an acquire fence, a warpgroup
+      # barrier) until every user tile is stored; later tiles need no wait.
+      step = (item * m_iters + mi) * n_iters + ni
+      first_cand_tile = (step >= num_user_steps) & (step - lax.axis_size("sm") < num_user_steps)
       wg_m_slice = pl.ds(mi * cta_tile_m + wg_m, tile_m)
       wg_n_slice = pl.ds(ni * cta_tile_n + wg_n, tile_n)
-      ready = lambda u: user.ready.at[((u * m_iters + mi) * n_iters + ni) * NUM_CONSUMERS + wg]
-      users_done = None
-      if user is not None:
-        # A per-tile wait costs an L2 round trip and a fence on the consumers'
-        # critical path. All user tiles are done after about the first wave, so
-        # each consumer polls the count of finished user tiles (an acquire load)
-        # until it is complete and from then on skips the waits.
-        users_done = lax.cond(
-            carry == 0,
-            lambda: (pl.semaphore_read(user.all_ready) >= num_ready_signals).astype(jnp.int32),
-            lambda: carry)
 
       def user_tile(u):
         def compute_context(eval_pipeline):
           user_res_gmem[u, wg_m_slice, wg_n_slice] = accumulate(eval_pipeline)
-          plgpu.semaphore_signal(ready(u), 1, memory_scope="gpu")
-          plgpu.semaphore_signal(user.all_ready, 1, memory_scope="gpu")
+          plgpu.semaphore_signal(user.tiles_done, 1, memory_scope="gpu")
 
         user_pipeline(mma, compute_context)(
             user.a.at[pl.ds(mi * cta_tile_m, cta_tile_m), :],
@@ -201,8 +194,8 @@ def _body(cand_to_user_gmem, a_gmem, e_gmem, user_res_gmem, out_gmem, user: _Use
           if user_res_gmem is not None:
             u = cand_to_user_gmem[b]
             if user is not None:
-              pl.when(users_done == 0)(lambda: plgpu.semaphore_wait(
-                  ready(u), 1, decrement=False, memory_scope="gpu"))
+              pl.when(first_cand_tile)(lambda: plgpu.semaphore_wait(
+                  user.tiles_done, num_user_signals, decrement=False, memory_scope="gpu"))
             user_tile_ref = user_res_gmem.at[u, wg_m_slice, wg_n_slice]
 
           def load_user_chunk(epi):
@@ -238,16 +231,11 @@ def _body(cand_to_user_gmem, a_gmem, e_gmem, user_res_gmem, out_gmem, user: _Use
 
       if user is None:
         cand_tile(item)
-        return None
-      pl.when(item < num_users)(lambda: user_tile(item))
-      pl.when(item >= num_users)(lambda: cand_tile(item - num_users))
-      return users_done
+      else:
+        pl.when(item < num_users)(lambda: user_tile(item))
+        pl.when(item >= num_users)(lambda: cand_tile(item - num_users))
 
-    grid = (num_users + num_cands, m_iters, n_iters)
-    if user is None:
-      plgpu.nd_loop(grid, collective_axes="sm")(tile)
-    else:
-      plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))(tile)
+    plgpu.nd_loop((num_users + num_cands, m_iters, n_iters), collective_axes="sm")(tile)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -309,12 +297,9 @@ def single_launch_forward(a_user, a_cand, e_user, e_cand, cand_to_user, *, num_r
   num_users, _, n = e_user.shape
   num_cands = e_cand.shape[0]
   m_iters, n_iters = pl.cdiv(num_rows, config.cta_tile_m), pl.cdiv(n, config.cta_tile_n)
-  num_semaphores = num_users * m_iters * n_iters * NUM_CONSUMERS
-
   def body(cand_to_user, a_cand, e_cand, a_user, e_user, out, user_res):
-    ready = pl.get_global(plgpu.SemaphoreType.REGULAR((num_semaphores + 1,)))
-    _body(cand_to_user, a_cand, e_cand, user_res, out,
-          _UserGemm(a_user, e_user, ready.at[:num_semaphores], ready.at[num_semaphores]),
+    tiles_done = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
+    _body(cand_to_user, a_cand, e_cand, user_res, out, _UserGemm(a_user, e_user, tiles_done),
           config=config)
 
   out_type = (
