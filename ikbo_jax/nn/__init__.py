@@ -2,5 +2,6 @@
 
 from ikbo_jax.nn.linear_compression import LinearCompression
 from ikbo_jax.nn.target_attention import TargetAttention
+from ikbo_jax.nn.user_sequence_block import UserSequenceBlock
 
-__all__ = ["LinearCompression", "TargetAttention"]
+__all__ = ["LinearCompression", "TargetAttention", "UserSequenceBlock"]

@@ -114,24 +114,16 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
   >>> target_attention(q, k, v, index, kv_len=jnp.array([16, 5])).shape
   (3, 4, 2, 8)
   """
-  _check_args(q, k, v, index, kv_len)
+  check_args(q, k, v, index, kv_len)
   dtype = checks.check_float_dtypes(q=q, k=k, v=v)
   if implementation is None:
     if interpret:
       raise ValueError("interpret=True needs a named kernel implementation")
     implementation = default_implementation(dtype, q.shape[-1])
   checks.check_implementation(implementation, IMPLEMENTATIONS, _KERNELS, dtype, interpret)
-  _check_mosaic_head_dim(implementation, q.shape[-1])
-  num_users, seq_len = k.shape[:2]
-  kv_len = (jnp.full((num_users,), seq_len, jnp.int32) if kv_len is None
-            else jnp.asarray(kv_len).astype(jnp.int32))
-  if checked:
-    index.check()
-    checkify.check(jnp.all((kv_len >= 0) & (kv_len <= seq_len)),
-                   f"kv_len values must lie in [0, S={seq_len}]; got min {{lo}}, max {{hi}}",
-                   lo=jnp.min(kv_len), hi=jnp.max(kv_len))
+  check_mosaic_head_dim(implementation, q.shape[-1])
+  kv_len = prepare_kv_len(kv_len, index, k.shape[1], checked)
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-  kv_len = jnp.clip(kv_len, 0, seq_len)
   if implementation in _KERNELS:
     return _kernel_attention(implementation, scale, interpret, return_lse, q, k, v, index, kv_len)
   impl = xla.materialized if implementation == "xla_materialized" else xla.chunked
@@ -139,13 +131,25 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
   return (out, lse) if return_lse else out
 
 
-def _check_mosaic_head_dim(implementation: str, head_dim: int) -> None:
+def prepare_kv_len(kv_len, index: CandidateIndex, seq_len: int, checked: bool):
+  """`kv_len` as `int32[U]` clamped to `[0, S]` (default `S`), checked first when `checked`."""
+  kv_len = (jnp.full((index.num_users,), seq_len, jnp.int32) if kv_len is None
+            else jnp.asarray(kv_len).astype(jnp.int32))
+  if checked:
+    index.check()
+    checkify.check(jnp.all((kv_len >= 0) & (kv_len <= seq_len)),
+                   f"kv_len values must lie in [0, S={seq_len}]; got min {{lo}}, max {{hi}}",
+                   lo=jnp.min(kv_len), hi=jnp.max(kv_len))
+  return jnp.clip(kv_len, 0, seq_len)
+
+
+def check_mosaic_head_dim(implementation: str, head_dim: int) -> None:
   if implementation == "mosaic_gpu" and head_dim not in mosaic.SUPPORTED_HEAD_DIMS:
     raise ValueError(f"implementation='mosaic_gpu' supports head dims D in "
                      f"{mosaic.SUPPORTED_HEAD_DIMS}, got D={head_dim}")
 
 
-def _check_args(q, k, v, index, kv_len) -> None:
+def check_args(q, k, v, index, kv_len) -> None:
   checks.check_index(index)
   layout = ("U", "S", "H", "D")
   checks.check_operands(q=(q, ("B", "T", "H", "D")), k=(k, layout), v=(v, layout))

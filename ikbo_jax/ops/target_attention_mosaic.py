@@ -1,9 +1,10 @@
-"""Target attention on the Mosaic GPU kernel: operand alignment around the packed-query kernel.
+"""Target attention (and self + target attention) on the Mosaic GPU kernel: operand alignment.
 
 The kernel packs whole candidates into 64-row query blocks, so it needs `T`
 to divide 64 or be a multiple of it (other `T` are zero-padded up to the next
 such size, a copy of `q` only), and `S` a multiple of its K/V block (K/V are
-zero-padded, a copy at batch U; the padded keys are masked by `kv_len`).
+zero-padded, a copy at batch U; the padded keys are masked by `kv_len`). With
+self-attention, `S` is padded to whole 128-row user query tiles as well.
 """
 
 from __future__ import annotations
@@ -18,19 +19,46 @@ from ikbo_jax.kernels.mosaic_gpu import target_attention as kernel
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 
-def forward(q, k, v, index: CandidateIndex, kv_len, *, scale: float, save_lse: bool,
-            config: kernel.Config = kernel.Config(), interpret: bool = False):
-  """`(out [B, T, H, D], lse [B, T, H] float32 or None)`; `kv_len` already clamped to `[0, S]`."""
+def _run(q, k, v, index: CandidateIndex, kv_len, *, scale: float, save_lse: bool,
+         self_attention: tuple | None, config: kernel.Config, interpret: bool):
+  """Pads, builds the query tiles, runs the kernel and slices the padding off again."""
   num_queries, seq_len = q.shape[1], k.shape[1]
   packed_queries = query_tiles.packed_num_queries(num_queries, kernel.BLOCK_ROWS)
   q = pad_to(q, 1, packed_queries)
-  padded_len = round_up(seq_len, config.block_kv)
+  seq_multiple = config.block_kv
+  if self_attention is not None:
+    seq_multiple = max(seq_multiple, kernel.NUM_CONSUMERS * kernel.BLOCK_ROWS)
+  padded_len = round_up(seq_len, seq_multiple)
   k, v = pad_to(k, 1, padded_len), pad_to(v, 1, padded_len)
   tiles = query_tiles.build(index, packed_queries, block_rows=kernel.BLOCK_ROWS,
                             blocks_per_tile=kernel.NUM_CONSUMERS)
   tile_kv_len = jnp.where(tiles.live, kv_len[tiles.user], 0)
-  out, lse = kernel.forward(q, k, v, tiles, tile_kv_len, scale=scale, save_lse=save_lse,
-                            config=config, interpret=interpret)
+  user_queries = None
+  if self_attention is not None:
+    q_user, causal = self_attention
+    user_queries = kernel.SelfAttention(pad_to(q_user, 1, padded_len), kv_len, causal)
+  out, lse, out_user = kernel.forward(q, k, v, tiles, tile_kv_len, scale=scale,
+                                      save_lse=save_lse, self_attention=user_queries,
+                                      config=config, interpret=interpret)
   if lse is not None:
     lse = jnp.transpose(lse, (0, 2, 1))[:, :num_queries]
-  return out[:, :num_queries], lse
+  if out_user is not None:
+    out_user = out_user[:, :seq_len]
+  return out[:, :num_queries], lse, out_user
+
+
+def forward(q, k, v, index: CandidateIndex, kv_len, *, scale: float, save_lse: bool,
+            config: kernel.Config = kernel.Config(), interpret: bool = False):
+  """`(out [B, T, H, D], lse [B, T, H] float32 or None)`; `kv_len` already clamped to `[0, S]`."""
+  out, lse, _ = _run(q, k, v, index, kv_len, scale=scale, save_lse=save_lse,
+                     self_attention=None, config=config, interpret=interpret)
+  return out, lse
+
+
+def self_target_forward(q_user, q, k, v, index: CandidateIndex, kv_len, *, scale: float,
+                        causal: bool, save_lse: bool, config: kernel.Config = kernel.Config(),
+                        interpret: bool = False):
+  """`(out_user [U, S, H, D], out [B, T, H, D], lse [B, T, H] or None)` in one launch."""
+  out, lse, out_user = _run(q, k, v, index, kv_len, scale=scale, save_lse=save_lse,
+                            self_attention=(q_user, causal), config=config, interpret=interpret)
+  return out_user, out, lse

@@ -15,12 +15,18 @@ import jax.numpy as jnp
 _F32 = jnp.float32
 
 
-def attention(q, k, v, kv_len, *, scale: float, precision=None):
-  """Plain softmax attention of `q [N, T, H, D]` over `k, v [N, S, H, D]`, keys `< kv_len[n]`."""
+def attention(q, k, v, kv_len, *, scale: float, causal: bool = False, precision=None):
+  """Plain softmax attention of `q [N, T, H, D]` over `k, v [N, S, H, D]`, keys `< kv_len[n]`.
+
+  `causal` also masks keys after the query's position (query `t` sees keys `<= t`).
+  """
   logits = jnp.einsum("nthd,nshd->nhts", q, k, precision=precision,
                       preferred_element_type=_F32) * scale
-  valid = jnp.arange(k.shape[1])[None, :] < kv_len[:, None]
-  logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
+  key = jnp.arange(k.shape[1])
+  valid = (key[None, :] < kv_len[:, None])[:, None, None, :]
+  if causal:
+    valid &= key[None, :] <= jnp.arange(q.shape[1])[:, None]
+  logits = jnp.where(valid, logits, -jnp.inf)
   lse = jax.nn.logsumexp(logits, axis=-1)
   # A query with no valid key gets zero weights (and output), not NaN.
   probs = jnp.where(jnp.isfinite(lse)[..., None], jnp.exp(logits - lse[..., None]), 0.0)

@@ -17,6 +17,13 @@ by index, dropping the slots that only pad the block.
 Per-user lengths: the tile runs `ceil(kv_len / block_kv)` K/V steps, and only
 the last step masks keys past `kv_len`. A tile whose user has `kv_len == 0`
 writes zeros and `lse = -inf`.
+
+Self + target attention in one launch (`SelfAttention`): the first work items
+are tiles of 128 rows of each user's own query sequence, attending to the
+same per-user K/V, and the candidate tiles follow; the persistent loop deals
+out both kinds alike, so neither leaves SMs idle. Causal user tiles skip the
+K/V blocks past their last query and mask only the diagonal block; query rows
+past `kv_len` are written as zeros.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +64,32 @@ class Config:
       raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
 
 
+@dataclasses.dataclass(frozen=True)
+class SelfAttention:
+  """User query tiles run in the same launch: `q [U, S, H, D]`, `kv_len int32[U]` in `[0, S]`."""
+
+  q: jax.Array
+  kv_len: jax.Array
+  causal: bool = False
+
+
+class _Item(NamedTuple):
+  """Scalars of one work item (a query tile and a head)."""
+
+  tile: jax.Array  # the candidate tile's index in the `QueryTiles` arrays
+  head: jax.Array
+  user: jax.Array
+  kv_len: jax.Array
+  kv_steps: jax.Array  # K/V blocks the tile reads
+  full_steps: jax.Array  # leading blocks that need no mask
+  is_user: jax.Array | bool  # a tile of a user's own queries
+  user_row: jax.Array  # for user tiles, the first query row of the tile
+
+
+# Stands for "no limit" in row/key position comparisons.
+_NO_LIMIT = 1 << 30
+
+
 def _accumulate_pv(acc, p, v_smem, *, then, interpret: bool):
   """`acc + p @ v` (p in registers, v in shared memory), running `then()` meanwhile.
 
@@ -75,8 +109,9 @@ def _accumulate_pv(acc, p, v_smem, *, then, interpret: bool):
 
 
 def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
-            q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, *,
-            scale: float, slot_rows: int, config: Config, interpret: bool):
+            q_ref, k_ref, v_ref, user_kv_len_ref, q_user_ref, out_ref, lse_ref, out_user_ref,
+            scoped, *, scale: float, slot_rows: int, causal: bool, config: Config,
+            interpret: bool):
   (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), consumed, schedule = scoped
   k_consumed, v_consumed = consumed
   wg = lax.axis_index("wg")
@@ -84,17 +119,44 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
   num_heads = q_ref.shape[2]
   block_kv, stages = config.block_kv, k_smem.shape[0]
   cands_per_block = cands_ref.shape[-1]
+  tile_rows = NUM_CONSUMERS * BLOCK_ROWS
+  # User query tiles (self-attention) first, then candidate tiles.
+  num_users, seq_len = k_ref.shape[:2]
+  tiles_per_user = seq_len // tile_rows if q_user_ref is not None else 0
+  num_user_tiles = num_users * tiles_per_user
   # Work items (tile, head), head fastest so that the CTAs running together
   # share a user's K/V in L2. Program p takes items p, p + P, p + 2P, ...
-  num_items = tile_user_ref.shape[0] * num_heads
+  num_items = (num_user_tiles + tile_user_ref.shape[0]) * num_heads
   program, num_programs = lax.axis_index("programs"), lax.axis_size("programs")
   my_items = pl.cdiv(num_items - program, num_programs)
 
-  def item_info(i):
+  def item_info(i) -> _Item:
     item = program + i * num_programs
     tile, head = lax.div(item, num_heads), lax.rem(item, num_heads)
-    kv_len = tile_kv_len_ref[tile]
-    return tile, head, tile_user_ref[tile], kv_len, pl.cdiv(kv_len, block_kv)
+    if q_user_ref is None:
+      kv_len = tile_kv_len_ref[tile]
+      return _Item(tile, head, tile_user_ref[tile], kv_len, pl.cdiv(kv_len, block_kv),
+                   kv_len // block_kv, False, jnp.int32(0))
+    is_user = tile < num_user_tiles
+    cand_tile = jnp.maximum(tile - num_user_tiles, 0)
+    user = jnp.minimum(lax.div(tile, tiles_per_user), num_users - 1)
+    # Heavier (later) causal tiles of a user first, to even out the tail.
+    user_row = (tiles_per_user - 1 - lax.rem(tile, tiles_per_user)) * tile_rows
+    # A user tile whose rows are all padding reads nothing and writes zeros.
+    user_kv_len = user_kv_len_ref[user]
+    live_len = jnp.where(user_row < user_kv_len, user_kv_len, 0)
+    user_end, user_full = live_len, live_len // block_kv
+    if causal:
+      user_end = jnp.minimum(live_len, user_row + tile_rows)
+      user_full = jnp.minimum(user_full, (user_row + 1) // block_kv)
+    cand_kv_len = tile_kv_len_ref[cand_tile]
+    return _Item(
+        cand_tile, head,
+        jnp.where(is_user, user, tile_user_ref[cand_tile]),
+        jnp.where(is_user, user_kv_len, cand_kv_len),
+        pl.cdiv(jnp.where(is_user, user_end, cand_kv_len), block_kv),
+        jnp.where(is_user, user_full, cand_kv_len // block_kv),
+        is_user, user_row)
 
   def schedule_barrier():
     plgpu.barrier_arrive(schedule)
@@ -107,14 +169,34 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
 
     def item_body(i, first_step):
       """One work item; `first_step` counts the K/V steps of earlier items (pipeline slots)."""
-      tile, head, _, kv_len, kv_steps = item_info(i)
+      item = item_info(i)
+      tile, head, user, kv_len, kv_steps = item[:5]
       row_start = piece_ref[tile, wg] * BLOCK_ROWS
       slot_cands = [cands_ref[tile, wg, j] for j in range(cands_per_block)]
+      user_rows = item.user_row + wg * BLOCK_ROWS  # this block's first row, for user tiles
+      # Slices of this block's query (and output) rows in GMEM, and of its slots in SMEM.
+      cand_rows = [(cand, pl.ds(row_start, slot_rows), head) for cand in slot_cands]
+      own_rows = [(user, pl.ds(user_rows + j * slot_rows, slot_rows), head)
+                  for j in range(cands_per_block)]
+      slots = [pl.ds(j * slot_rows, slot_rows) for j in range(cands_per_block)]
+
+      def when_kind(for_cands, for_users):
+        """Runs the candidate or the user variant of a step, by this item's kind."""
+        if q_user_ref is None:
+          for_cands()
+        else:
+          pl.when(jnp.logical_not(item.is_user))(for_cands)
+          pl.when(item.is_user)(for_users)
+
       # The previous item's output stores must be done reading qo_smem.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      for j, cand in enumerate(slot_cands):
-        plgpu.copy_gmem_to_smem(q_ref.at[cand, pl.ds(row_start, slot_rows), head],
-                                qo_smem.at[pl.ds(j * slot_rows, slot_rows)], q_ready.at[wg])
+
+      def load_queries(src_ref, rows):
+        for slot, at in zip(slots, rows):
+          plgpu.copy_gmem_to_smem(src_ref.at[at], qo_smem.at[slot], q_ready.at[wg])
+
+      when_kind(lambda: load_queries(q_ref, cand_rows),
+                lambda: load_queries(q_user_ref, own_rows))
       plgpu.barrier_wait(q_ready.at[wg])
 
       rows = (BLOCK_ROWS,)
@@ -146,7 +228,12 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         plgpu.barrier_arrive(k_consumed.at[slot])
         if masked:
           key = plgpu.broadcasted_iota(jnp.int32, logits.shape, 1, layout=plgpu.Layout.WGMMA)
-          logits = jnp.where(key + step * block_kv < kv_len, logits, -jnp.inf)
+          key += step * block_kv
+          keep = key < kv_len
+          if causal:
+            row = plgpu.broadcasted_iota(jnp.int32, logits.shape, 0, layout=plgpu.Layout.WGMMA)
+            keep &= key <= row + jnp.where(item.is_user, user_rows, _NO_LIMIT)
+          logits = jnp.where(keep, logits, -jnp.inf)
 
         # Base-2 online softmax; m_i is kept in units of log2 so `p` is one FMA + exp2.
         m_new = jnp.maximum(m_i, logits.max(axis=1) * (scale * _LOG2E))
@@ -171,7 +258,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_new, l_i
 
-      full_steps = kv_len // block_kv
+      full_steps = item.full_steps
       carry = lax.fori_loop(0, full_steps, functools.partial(kv_step_body, masked=False),
                             (acc, m_i, l_i))
       acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps,
@@ -181,21 +268,30 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
       # A user with no valid key has l == 0: write zeros rather than 0/0.
       l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
       acc /= lax.broadcast_in_dim(l_safe, acc.shape, [0])
+      if q_user_ref is not None:
+        # User query rows past the user's length are padding: zeros, as in the reference.
+        row = plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=plgpu.Layout.WGMMA)
+        acc = jnp.where(row + user_rows < jnp.where(item.is_user, kv_len, _NO_LIMIT), acc, 0.0)
       qo_smem[...] = acc.astype(dtype)
       if lse_ref is not None:
         lse_smem2[wg] = (m_i + jnp.log2(l_i)) / _LOG2E
       plgpu.commit_smem()
-      num_valid = num_valid_ref[tile, wg]
-      for j, cand in enumerate(slot_cands):
-        rows_j = pl.ds(j * slot_rows, slot_rows)
 
-        @pl.when(j < num_valid)
-        def _store():
-          plgpu.copy_smem_to_gmem(qo_smem.at[rows_j],
-                                  out_ref.at[cand, pl.ds(row_start, slot_rows), head])
-          if lse_ref is not None:
-            plgpu.copy_smem_to_gmem(lse_smem2.at[wg, rows_j],
-                                    lse_ref.at[cand, head, pl.ds(row_start, slot_rows)])
+      def store_cands():
+        num_valid = num_valid_ref[tile, wg]
+        for j, (slot, at) in enumerate(zip(slots, cand_rows)):
+          @pl.when(j < num_valid)
+          def _store():
+            plgpu.copy_smem_to_gmem(qo_smem.at[slot], out_ref.at[at])
+            if lse_ref is not None:
+              plgpu.copy_smem_to_gmem(lse_smem2.at[wg, slot],
+                                      lse_ref.at[at[0], head, pl.ds(row_start, slot_rows)])
+
+      def store_own_rows():
+        for slot, at in zip(slots, own_rows):
+          plgpu.copy_smem_to_gmem(qo_smem.at[slot], out_user_ref.at[at])
+
+      when_kind(store_cands, store_own_rows)
       return first_step + kv_steps
 
     lax.fori_loop(0, my_items, item_body, jnp.int32(0))
@@ -206,7 +302,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
     def item_body(i, first_step):
-      _, head, user, _, kv_steps = item_info(i)
+      _, head, user, _, kv_steps = item_info(i)[:5]
 
       # Runs ahead of the consumers by up to `stages` blocks, also across
       # items: the next item's first K/V blocks load during this one's epilogue.
@@ -238,8 +334,9 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
 
 
 def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: bool,
-            config: Config = Config(), interpret: bool = False):
-  """Packed-query target attention.
+            self_attention: SelfAttention | None = None, config: Config = Config(),
+            interpret: bool = False):
+  """Packed-query target attention, and optionally the users' self-attention in the same launch.
 
   Args:
     q: `[B, T, H, D]` bfloat16/float16, `T == tiles.num_queries`, D a multiple of 64.
@@ -249,23 +346,37 @@ def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: 
     tile_kv_len: `int32[num_tiles]`, the valid keys of each tile's user (0 for
       dead tiles), in `[0, S]`.
     scale: the logit scale.
-    save_lse: also return the float32 lse, `[B, H, T]`.
+    save_lse: also return the float32 lse of the candidate queries, `[B, H, T]`.
+    self_attention: the users' own queries (`q [U, S, H, D]`, S a multiple of
+      128) to run in the same launch, or None.
     config: K/V block size and pipeline depth.
     interpret: run under the Mosaic GPU interpreter.
 
   Returns:
-    `out [B, T, H, D]`, and `lse [B, H, T]` (natural log) or None.
+    `out [B, T, H, D]`, `lse [B, H, T]` (natural log) or None, and the users'
+    self-attention output `[U, S, H, D]` or None.
   """
   num_cands, num_queries, num_heads, head_dim = q.shape
-  if k.shape[1] % config.block_kv:
-    raise ValueError(f"S={k.shape[1]} must be a multiple of block_kv={config.block_kv}")
+  num_users, seq_len = k.shape[:2]
+  if seq_len % config.block_kv:
+    raise ValueError(f"S={seq_len} must be a multiple of block_kv={config.block_kv}")
+  tile_rows = NUM_CONSUMERS * BLOCK_ROWS
+  if self_attention is not None and seq_len % tile_rows:
+    raise ValueError(f"S={seq_len} must be a multiple of {tile_rows} with self-attention")
   dtype = q.dtype
   # No more pipeline stages than K/V blocks: the rest would only take shared memory.
-  stages = min(config.max_concurrent_steps, k.shape[1] // config.block_kv)
+  stages = min(config.max_concurrent_steps, seq_len // config.block_kv)
   q_transforms = smem_transforms(head_dim, dtype)
+  has_self = self_attention is not None
 
   def entry(*refs):
-    *in_refs, out_ref, lse_ref = refs if save_lse else (*refs, None)
+    refs = list(refs)
+    in_refs = refs[:8]
+    user_kv_len_ref, q_user_ref = refs[8:10] if has_self else (None, None)
+    outs = refs[10:] if has_self else refs[8:]
+    out_ref = outs.pop(0)
+    lse_ref = outs.pop(0) if save_lse else None
+    out_user_ref = outs.pop(0) if has_self else None
     scratch = (
         plgpu.SMEM((NUM_CONSUMERS, BLOCK_ROWS, head_dim), dtype, transforms=q_transforms),
         plgpu.SMEM((stages, config.block_kv, head_dim), dtype, transforms=q_transforms),
@@ -273,9 +384,10 @@ def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: 
         plgpu.SMEM((NUM_CONSUMERS, BLOCK_ROWS), jnp.float32) if save_lse else None,
     )
     pl.run_scoped(
-        lambda *scoped: _kernel(*in_refs, out_ref, lse_ref, scoped, scale=scale,
-                                slot_rows=tiles.slot_rows, config=config,
-                                interpret=interpret),
+        lambda *scoped: _kernel(
+            *in_refs, user_kv_len_ref, q_user_ref, out_ref, lse_ref, out_user_ref, scoped,
+            scale=scale, slot_rows=tiles.slot_rows,
+            causal=has_self and self_attention.causal, config=config, interpret=interpret),
         scratch,
         (plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_barriers=stages),
@@ -288,7 +400,13 @@ def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: 
   out_type = [jax.ShapeDtypeStruct(q.shape, dtype)]
   if save_lse:
     out_type.append(jax.ShapeDtypeStruct((num_cands, num_heads, num_queries), jnp.float32))
-  num_items = tiles.num_tiles * num_heads
+  operands = [tiles.user, tile_kv_len, tiles.cands, tiles.num_valid, tiles.piece, q, k, v]
+  num_tiles = tiles.num_tiles
+  if has_self:
+    out_type.append(jax.ShapeDtypeStruct(k.shape, dtype))
+    operands += [self_attention.kv_len, self_attention.q]
+    num_tiles += num_users * (seq_len // tile_rows)
+  num_items = num_tiles * num_heads
   results = plgpu.kernel(
       entry,
       out_type=out_type,
@@ -298,6 +416,10 @@ def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: 
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret_params(interpret),
-      kernel_name="ikbo_target_attention_mosaic_gpu",
-  )(tiles.user, tile_kv_len, tiles.cands, tiles.num_valid, tiles.piece, q, k, v)
-  return results[0], (results[1] if save_lse else None)
+      kernel_name=("ikbo_self_target_attention_mosaic_gpu" if has_self
+                   else "ikbo_target_attention_mosaic_gpu"),
+  )(*operands)
+  results = list(results)
+  out = results.pop(0)
+  lse = results.pop(0) if save_lse else None
+  return out, lse, (results.pop(0) if has_self else None)

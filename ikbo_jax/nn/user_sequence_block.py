@@ -1,0 +1,101 @@
+"""`UserSequenceBlock`: self-attention over the user sequence and target attention of the candidates."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from flax import nnx
+from flax.nnx.nn import initializers
+
+from ikbo_jax.index import CandidateIndex
+from ikbo_jax.ops.self_target_attention import Implementation, self_target_attention
+
+default_kernel_init = initializers.lecun_normal()
+
+
+class UserSequenceBlock(nnx.Module):
+  """The attention of a user-sequence encoder whose candidates read the same keys and values.
+
+  One key and one value projection run at batch U on the user sequence and
+  serve both query kinds: the user sequence's own queries (self-attention,
+  updating the sequence) and the candidates' query tokens (target attention,
+  producing the candidate representation). Both attentions run in one fused
+  op (`ikbo_jax.self_target_attention`), which on a Hopper GPU is one kernel
+  launch. With the same weights this equals two `nnx.MultiHeadAttention`
+  calls that share their key/value projections: one on the user sequence, one
+  on the candidates with the user sequence copied to every candidate, without
+  the copy or the U-to-B projections. Residuals and normalization are left to
+  the model around it.
+
+  Args:
+    num_heads: number of attention heads.
+    in_features: feature size of the user sequence.
+    qkv_features: total query/key/value size over all heads (default
+      `in_features`); must divide by `num_heads`.
+    out_features: output feature size of both outputs (default `in_features`).
+    cand_features: feature size of the candidate tokens (default `in_features`).
+    causal: user position `s` attends to positions `<= s` only.
+    dtype: computation dtype (default: inferred from the inputs).
+    param_dtype: parameter dtype.
+    kernel_init: initializer of the projection kernels.
+    bias_init: initializer of the projection biases.
+    use_bias: whether the projections have biases.
+    implementation: passed to `ikbo_jax.self_target_attention`.
+    rngs: random number generators.
+
+  Example:
+
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from ikbo_jax import CandidateIndex
+  >>> from ikbo_jax.nn import UserSequenceBlock
+  >>> block = UserSequenceBlock(num_heads=2, in_features=8, causal=True, rngs=nnx.Rngs(0))
+  >>> index = CandidateIndex.from_counts([2, 1])
+  >>> user_seq = jnp.ones((2, 10, 8))           # [U, S, in_features]
+  >>> cand_tokens = jnp.ones((3, 4, 8))         # [B, n_seed, cand_features]
+  >>> new_seq, cand_repr = block(user_seq, cand_tokens, index, kv_len=jnp.array([10, 6]))
+  >>> new_seq.shape, cand_repr.shape
+  ((2, 10, 8), (3, 4, 8))
+  """
+
+  def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
+               out_features: int | None = None, cand_features: int | None = None, *,
+               causal: bool = False, dtype=None, param_dtype=jax.numpy.float32,
+               kernel_init: nnx.Initializer = default_kernel_init,
+               bias_init: nnx.Initializer = initializers.zeros_init(), use_bias: bool = True,
+               implementation: Implementation | None = None, rngs: nnx.Rngs):
+    qkv_features = in_features if qkv_features is None else qkv_features
+    if qkv_features % num_heads:
+      raise ValueError(f"qkv_features ({qkv_features}) must be divisible by num_heads "
+                       f"({num_heads})")
+    self.num_heads, self.head_dim = num_heads, qkv_features // num_heads
+    self.in_features, self.qkv_features = in_features, qkv_features
+    self.out_features = in_features if out_features is None else out_features
+    self.cand_features = in_features if cand_features is None else cand_features
+    self.causal, self.implementation = causal, implementation
+    projection = functools.partial(
+        nnx.LinearGeneral, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
+        bias_init=bias_init, use_bias=use_bias, rngs=rngs)
+    heads = (num_heads, self.head_dim)
+    self.user_query = projection(in_features, heads)
+    self.cand_query = projection(self.cand_features, heads)
+    self.key = projection(in_features, heads)
+    self.value = projection(in_features, heads)
+    self.user_out = projection(heads, self.out_features, axis=(-2, -1))
+    self.cand_out = projection(heads, self.out_features, axis=(-2, -1))
+
+  def __call__(self, user_seq: jax.Array, cand_tokens: jax.Array, index: CandidateIndex, *,
+               kv_len: jax.Array | None = None,
+               checked: bool = False) -> tuple[jax.Array, jax.Array]:
+    """`user_seq [U, S, in]`, `cand_tokens [B, T, cand]` -> `([U, S, out], [B, T, out])`.
+
+    Positions of `user_seq` at or past `kv_len[u]` are padding: they are
+    neither attended to nor attend, and their attention output is zero (the
+    output projection then adds only its bias).
+    """
+    k, v = self.key(user_seq), self.value(user_seq)  # at batch U: once per user
+    out_user, out_cand = self_target_attention(
+        self.user_query(user_seq), self.cand_query(cand_tokens), k, v, index, kv_len=kv_len,
+        causal=self.causal, implementation=self.implementation, checked=checked)
+    return self.user_out(out_user), self.cand_out(out_cand)
