@@ -1,19 +1,38 @@
 #!/usr/bin/env bash
 # One device call: benchmarks first (the numbers that matter most if the call is cut short),
-# then GPU tests, diagnostics and the demo. Results go to $OUT.
-# Set IKBO_COMMIT (the device copy has no .git); BENCH_ARGS=--no-sweeps for a short call.
+# then GPU tests, the demo and diagnostics. Results go to $OUT.
+# Set IKBO_COMMIT (the device copy has no .git). STEPS picks what runs (default: all), e.g.
+# STEPS="self_target tests demo"; BENCH_ARGS=--no-sweeps shortens the linear compression step.
 set -uo pipefail
 OUT=${OUT:-/tmp/ikbo_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+STEPS=${STEPS:-lc attention self_target tests demo diagnostics}
+has() { [[ " $STEPS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv > "$OUT/nvidia_smi.txt"
-timeout "${BENCH_TIMEOUT:-240}" python3 -m benchmarks.linear_compression ${BENCH_ARGS:-} \
-  --out "$OUT/linear_compression_h200.json" > "$OUT/bench.log" 2>&1
-tail -n 13 "$OUT/bench.log"
-timeout 200 python3 -m benchmarks.target_attention --out "$OUT/target_attention_h200.json" \
-  ${ATTN_ARGS:-} > "$OUT/attention_bench.log" 2>&1
-tail -n 6 "$OUT/attention_bench.log" | cut -c1-900
-timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests -m gpu -rA 2>&1 \
-  | tail -n 40 > "$OUT/gpu_tests.log"
-tail -n 4 "$OUT/gpu_tests.log"
-timeout 60 python3 -m ikbo_jax.demo > "$OUT/demo.log" 2>&1; tail -n 5 "$OUT/demo.log"
-timeout 60 python3 -m benchmarks.lce_diagnostics --out "$OUT/lce_diagnostics.json" 2>&1 | tail -n 3
+if has lc; then
+  timeout "${BENCH_TIMEOUT:-240}" python3 -m benchmarks.linear_compression ${BENCH_ARGS:-} \
+    --out "$OUT/linear_compression_h200.json" > "$OUT/bench.log" 2>&1
+  tail -n 13 "$OUT/bench.log"
+fi
+if has attention; then
+  timeout 200 python3 -m benchmarks.target_attention --out "$OUT/target_attention_h200.json" \
+    > "$OUT/attention_bench.log" 2>&1
+  tail -n 6 "$OUT/attention_bench.log" | cut -c1-900
+fi
+if has self_target; then
+  timeout 240 python3 -m benchmarks.self_target_attention \
+    --out "$OUT/self_target_attention_h200.json" > "$OUT/self_target_bench.log" 2>&1
+  tail -n 4 "$OUT/self_target_bench.log" | cut -c1-1500
+fi
+if has tests; then
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests -m gpu -rA 2>&1 \
+    | tail -n 60 > "$OUT/gpu_tests.log"
+  tail -n 4 "$OUT/gpu_tests.log"
+fi
+if has demo; then
+  timeout 60 python3 -m ikbo_jax.demo > "$OUT/demo.log" 2>&1; tail -n 5 "$OUT/demo.log"
+fi
+if has diagnostics; then
+  timeout 60 python3 -m benchmarks.lce_diagnostics --out "$OUT/lce_diagnostics.json" 2>&1 \
+    | tail -n 3
+fi

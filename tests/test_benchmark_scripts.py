@@ -14,3 +14,11 @@ def test_target_attention_benchmark_small(tmp_path):
                   "--iterations", "2", "--out", str(out)], cwd=ROOT, check=True)
   result = json.loads(out.read_text())
   assert result["sweep"]["32"]["xla_materialized"]["ms"] > 0
+
+
+def test_self_target_attention_benchmark_small(tmp_path):
+  out = tmp_path / "sta.json"
+  subprocess.run([sys.executable, "-m", "benchmarks.self_target_attention", "--small",
+                  "--iterations", "2", "--out", str(out)], cwd=ROOT, check=True)
+  rows = json.loads(out.read_text())["sweep"]["32"]
+  assert rows["fused_xla"]["ms"] > 0 and rows["block/user_sequence_block"]["ms"] > 0
