@@ -16,6 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("name,expected", [
     ("linear_compression", "baseline_materialized"),
     ("target_attention", "xla_materialized"),
+    ("self_target_attention", "fused_xla"),
 ])
 def test_notebook_executes_on_small_results(name, expected, tmp_path):
   results = tmp_path / "small.json"
