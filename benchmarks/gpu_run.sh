@@ -25,7 +25,7 @@ if has self_target; then
   tail -n 4 "$OUT/self_target_bench.log" | cut -c1-1500
 fi
 if has tests; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests -m gpu -rA 2>&1 \
+  timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -q -p no:cacheprovider tests -m gpu -rA 2>&1 \
     | tail -n 60 > "$OUT/gpu_tests.log"
   tail -n 4 "$OUT/gpu_tests.log"
 fi

@@ -170,7 +170,8 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
     def item_body(i, first_step):
       """One work item; `first_step` counts the K/V steps of earlier items (pipeline slots)."""
       item = item_info(i)
-      tile, head, user, kv_len, kv_steps = item[:5]
+      tile, head, user, kv_len, kv_steps = (
+          item.tile, item.head, item.user, item.kv_len, item.kv_steps)
       row_start = piece_ref[tile, wg] * BLOCK_ROWS
       slot_cands = [cands_ref[tile, wg, j] for j in range(cands_per_block)]
       user_rows = item.user_row + wg * BLOCK_ROWS  # this block's first row, for user tiles
@@ -302,7 +303,8 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
     def item_body(i, first_step):
-      _, head, user, _, kv_steps = item_info(i)[:5]
+      item = item_info(i)
+      head, user, kv_steps = item.head, item.user, item.kv_steps
 
       # Runs ahead of the consumers by up to `stages` blocks, also across
       # items: the next item's first K/V blocks load during this one's epilogue.
