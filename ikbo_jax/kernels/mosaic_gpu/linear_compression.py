@@ -297,6 +297,7 @@ def single_launch_forward(a_user, a_cand, e_user, e_cand, cand_to_user, *, num_r
   num_users, _, n = e_user.shape
   num_cands = e_cand.shape[0]
   m_iters, n_iters = pl.cdiv(num_rows, config.cta_tile_m), pl.cdiv(n, config.cta_tile_n)
+
   def body(cand_to_user, a_cand, e_cand, a_user, e_user, out, user_res):
     tiles_done = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
     _body(cand_to_user, a_cand, e_cand, user_res, out, _UserGemm(a_user, e_user, tiles_done),
