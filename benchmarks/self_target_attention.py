@@ -19,7 +19,6 @@ against two `nnx.MultiHeadAttention` calls on the materialized broadcast.
 from __future__ import annotations
 
 import argparse
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,15 +26,11 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import common
+from benchmarks.target_attention import PUBLISHED, SMALL, cudnn
 from ikbo_jax import CandidateIndex, self_target_attention, target_attention
 from ikbo_jax.nn import UserSequenceBlock
 
-SHAPE = dict(num_candidates=2048, num_users=32, heads=2, head_dim=128, n_seed=64)
 SEQ_LENS = (512, 1024, 2048, 4096)
-
-
-def _cudnn(q, k, v, causal=False):
-  return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
 
 
 def _flops(shape, seq_len, causal):
@@ -67,14 +62,14 @@ def _steps(index, causal, on_gpu):
   return {
       "fused": fused,
       # Each attention alone (returning an input would time a copy of it).
-      "self_cudnn": lambda q_user, q_cand, k, v: _cudnn(q_user, k, v, causal),
+      "self_cudnn": lambda q_user, q_cand, k, v: cudnn(q_user, k, v, causal),
       "target_mosaic_gpu": lambda q_user, q_cand, k, v: target_attention(
           q_cand, k, v, index, implementation="mosaic_gpu"),
       "two_launches": lambda q_user, q_cand, k, v: (
-          _cudnn(q_user, k, v, causal),
+          cudnn(q_user, k, v, causal),
           target_attention(q_cand, k, v, index, implementation="mosaic_gpu")),
       "materialized": lambda q_user, q_cand, k, v: (
-          _cudnn(q_user, k, v, causal), _cudnn(q_cand, k[ids], v[ids])),
+          cudnn(q_user, k, v, causal), cudnn(q_cand, k[ids], v[ids])),
   }
 
 
@@ -161,8 +156,7 @@ def main():
   args = parser.parse_args()
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
-  shape = (dict(num_candidates=16, num_users=4, heads=2, head_dim=16, n_seed=8)
-           if args.small else SHAPE)
+  shape = SMALL if args.small else PUBLISHED
   seq_lens = [32] if args.small else args.seq_lens
   payload = dict(**common.metadata(), dtype=jnp.dtype(dtype).name, shape=shape,
                  flops="4*U*H*S*S*D (causal: S*(S+1)/2 pairs) + 4*B*H*n_seed*S*D",

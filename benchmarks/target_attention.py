@@ -29,22 +29,23 @@ from ikbo_jax.kernels.mosaic_gpu import target_attention as mosaic_kernel
 from ikbo_jax.ops import target_attention_mosaic
 
 PUBLISHED = dict(num_candidates=2048, num_users=32, heads=2, head_dim=128, n_seed=64)
+SMALL = dict(num_candidates=16, num_users=4, heads=2, head_dim=16, n_seed=8)  # --small, any backend
 SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
 BASELINES = ("cudnn_prebroadcast", "broadcast_cudnn", "cudnn_packed_sorted", "xla_materialized")
 
 
-def _cudnn(q, k, v):
-  return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+def cudnn(q, k, v, causal=False):
+  return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
 
 
 def _broadcast_cudnn(q, k, v, ids):
-  return _cudnn(q, k[ids], v[ids])
+  return cudnn(q, k[ids], v[ids])
 
 
 def _packed_cudnn(q, k, v):
   """All of a user's candidate queries as one query sequence (sorted, uniform counts)."""
   num_users, (num_cands, t, h, d) = k.shape[0], q.shape
-  packed = _cudnn(q.reshape(num_users, num_cands // num_users * t, h, d), k, v)
+  packed = cudnn(q.reshape(num_users, num_cands // num_users * t, h, d), k, v)
   return packed.reshape(q.shape)
 
 
@@ -85,7 +86,7 @@ def variants(seq_len, shape, dtype, on_gpu, with_backward):
     return {"xla": (jax.jit(_ikbo("xla")), (q, k, v, index), flops(q)),
             "xla_materialized": (jax.jit(_ikbo("xla_materialized")), (q, k, v, index), flops(q))}
   rows = {
-      "cudnn_prebroadcast": (jax.jit(_cudnn), (q, k[ids], v[ids]), flops(q)),
+      "cudnn_prebroadcast": (jax.jit(cudnn), (q, k[ids], v[ids]), flops(q)),
       "broadcast_cudnn": (jax.jit(_broadcast_cudnn), (q, k, v, ids), flops(q)),
       "cudnn_packed_sorted": (jax.jit(_packed_cudnn), (q, k, v), flops(q)),
   }
@@ -145,8 +146,7 @@ def main():
   args = parser.parse_args()
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
-  shape = (dict(num_candidates=16, num_users=4, heads=2, head_dim=16, n_seed=8)
-           if args.small else PUBLISHED)
+  shape = SMALL if args.small else PUBLISHED
   payload = dict(**common.metadata(), dtype=jnp.dtype(dtype).name, shape=shape,
                  flops_per_forward="4*B*H*n_seed*S*D", fwd_bwd_flops="2.5x forward", sweep={})
   for seq_len in ([32] if args.small else args.seq_lens):

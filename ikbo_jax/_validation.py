@@ -59,6 +59,17 @@ def check_implementation(implementation: str, implementations: tuple, kernels: t
         f"{platform.gpu_compute_capability()}")
 
 
+def resolve_implementation(implementation: str | None, implementations: tuple, kernels: tuple,
+                           dtype, interpret: bool, default) -> str:
+  """The implementation to run: `default()` for None, checked by `check_implementation`."""
+  if implementation is None:
+    if interpret:
+      raise ValueError("interpret=True needs a named kernel implementation")
+    implementation = default()
+  check_implementation(implementation, implementations, kernels, dtype, interpret)
+  return implementation
+
+
 def check_dim(name: str, x, axis: int, expected: int, meaning: str) -> None:
   if x.shape[axis] != expected:
     raise ValueError(

@@ -5,12 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.nnx.nn import dtypes, initializers
+from flax.nnx.nn import dtypes
 
 from ikbo_jax.index import CandidateIndex
+from ikbo_jax.nn._projections import default_kernel_init
 from ikbo_jax.ops.linear_compression import Implementation, linear_compression
-
-default_kernel_init = initializers.lecun_normal()
 
 
 class LinearCompression(nnx.Module):

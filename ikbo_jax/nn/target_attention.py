@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 from flax import nnx
 from flax.nnx.nn import initializers
 
 from ikbo_jax.index import CandidateIndex
+from ikbo_jax.nn._projections import default_kernel_init, head_projections
 from ikbo_jax.ops.target_attention import Implementation, target_attention
-
-default_kernel_init = initializers.lecun_normal()
 
 
 class TargetAttention(nnx.Module):
@@ -60,22 +57,18 @@ class TargetAttention(nnx.Module):
                bias_init: nnx.Initializer = initializers.zeros_init(), use_bias: bool = True,
                implementation: Implementation | None = None, rngs: nnx.Rngs):
     qkv_features = in_features if qkv_features is None else qkv_features
-    if qkv_features % num_heads:
-      raise ValueError(f"qkv_features ({qkv_features}) must be divisible by num_heads "
-                       f"({num_heads})")
-    self.num_heads, self.head_dim = num_heads, qkv_features // num_heads
+    self.head_dim, to_heads, from_heads = head_projections(
+        num_heads, qkv_features, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
+        bias_init=bias_init, use_bias=use_bias, rngs=rngs)
+    self.num_heads = num_heads
     self.in_features, self.qkv_features = in_features, qkv_features
     self.out_features = in_features if out_features is None else out_features
     self.in_kv_features = in_features if in_kv_features is None else in_kv_features
     self.implementation = implementation
-    projection = functools.partial(
-        nnx.LinearGeneral, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
-        bias_init=bias_init, use_bias=use_bias, rngs=rngs)
-    heads = (num_heads, self.head_dim)
-    self.query = projection(in_features, heads)
-    self.key = projection(self.in_kv_features, heads)
-    self.value = projection(self.in_kv_features, heads)
-    self.out = projection(heads, self.out_features, axis=(-2, -1))
+    self.query = to_heads(in_features)
+    self.key = to_heads(self.in_kv_features)
+    self.value = to_heads(self.in_kv_features)
+    self.out = from_heads(self.out_features)
 
   def __call__(self, cand_tokens: jax.Array, user_seq: jax.Array, index: CandidateIndex, *,
                kv_len: jax.Array | None = None, checked: bool = False) -> jax.Array:

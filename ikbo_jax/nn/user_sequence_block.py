@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 from flax import nnx
 from flax.nnx.nn import initializers
 
 from ikbo_jax.index import CandidateIndex
+from ikbo_jax.nn._projections import default_kernel_init, head_projections
 from ikbo_jax.ops.self_target_attention import Implementation, self_target_attention
-
-default_kernel_init = initializers.lecun_normal()
 
 
 class UserSequenceBlock(nnx.Module):
@@ -66,24 +63,20 @@ class UserSequenceBlock(nnx.Module):
                bias_init: nnx.Initializer = initializers.zeros_init(), use_bias: bool = True,
                implementation: Implementation | None = None, rngs: nnx.Rngs):
     qkv_features = in_features if qkv_features is None else qkv_features
-    if qkv_features % num_heads:
-      raise ValueError(f"qkv_features ({qkv_features}) must be divisible by num_heads "
-                       f"({num_heads})")
-    self.num_heads, self.head_dim = num_heads, qkv_features // num_heads
+    self.head_dim, to_heads, from_heads = head_projections(
+        num_heads, qkv_features, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
+        bias_init=bias_init, use_bias=use_bias, rngs=rngs)
+    self.num_heads = num_heads
     self.in_features, self.qkv_features = in_features, qkv_features
     self.out_features = in_features if out_features is None else out_features
     self.cand_features = in_features if cand_features is None else cand_features
     self.causal, self.implementation = causal, implementation
-    projection = functools.partial(
-        nnx.LinearGeneral, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
-        bias_init=bias_init, use_bias=use_bias, rngs=rngs)
-    heads = (num_heads, self.head_dim)
-    self.user_query = projection(in_features, heads)
-    self.cand_query = projection(self.cand_features, heads)
-    self.key = projection(in_features, heads)
-    self.value = projection(in_features, heads)
-    self.user_out = projection(heads, self.out_features, axis=(-2, -1))
-    self.cand_out = projection(heads, self.out_features, axis=(-2, -1))
+    self.user_query = to_heads(in_features)
+    self.cand_query = to_heads(self.cand_features)
+    self.key = to_heads(in_features)
+    self.value = to_heads(in_features)
+    self.user_out = from_heads(self.out_features)
+    self.cand_out = from_heads(self.out_features)
 
   def __call__(self, user_seq: jax.Array, cand_tokens: jax.Array, index: CandidateIndex, *,
                kv_len: jax.Array | None = None,

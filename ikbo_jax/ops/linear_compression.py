@@ -117,11 +117,8 @@ def linear_compression(w_user, w_cand, e_user, e_cand, index: CandidateIndex, *,
   """
   _check_args(w_user, w_cand, e_user, e_cand, index)
   dtype = v.check_float_dtypes(w_user=w_user, w_cand=w_cand, e_user=e_user, e_cand=e_cand)
-  if implementation is None:
-    if interpret:
-      raise ValueError("interpret=True needs a named kernel implementation")
-    implementation = default_implementation(dtype)
-  v.check_implementation(implementation, IMPLEMENTATIONS, _KERNELS, dtype, interpret)
+  implementation = v.resolve_implementation(implementation, IMPLEMENTATIONS, _KERNELS, dtype,
+                                            interpret, lambda: default_implementation(dtype))
   if checked:
     index.check()
   if implementation == "xla_materialized":

@@ -30,6 +30,19 @@ _KERNELS = ("mosaic_gpu",)
 _F32 = jnp.float32
 
 
+def _self_attention_cudnn(q_user, k, v, kv_len, *, scale: float, causal: bool):
+  """`xla.self_attention` on cuDNN's fused attention (GPU only; bfloat16/float16).
+
+  cuDNN's padding mask takes the same lengths for queries and keys. A user with
+  `kv_len == 0` is given one key (its row is zeroed below, so its gradient is
+  zero) because a fully masked softmax would be 0/0 inside cuDNN.
+  """
+  out = jax.nn.dot_product_attention(
+      q_user, k, v, scale=scale, is_causal=causal, query_seq_lengths=jnp.maximum(kv_len, 1),
+      key_value_seq_lengths=jnp.maximum(kv_len, 1), implementation="cudnn")
+  return jnp.where(xla.query_valid(kv_len, k.shape[1]), out, 0).astype(q_user.dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _fused(scale, causal, interpret, q_user, q_cand, k, v, index, kv_len):
   out_user, out_cand, _ = mosaic.self_target_forward(
@@ -53,7 +66,7 @@ def _fused_bwd(scale, causal, interpret, residuals, cotangents):
       q_cand, k, v, out_cand, lse, d_out_cand, None, index, kv_len, scale=scale,
       interpret=interpret)
   on_gpu = not interpret and jax.default_backend() == "gpu"
-  self_attention = xla.self_attention_cudnn if on_gpu else xla.self_attention
+  self_attention = _self_attention_cudnn if on_gpu else xla.self_attention
   _, self_vjp = jax.vjp(
       lambda q_, k_, v_: self_attention(q_, k_, v_, kv_len, scale=scale, causal=causal),
       q_user, k, v)
@@ -122,11 +135,9 @@ def self_target_attention(q_user, q_cand, k, v, index: CandidateIndex, *, kv_len
   for axis, meaning in enumerate(("U, from k", "S, from k", "H, from k", "D, from k")):
     checks.check_dim("q_user", q_user, axis, k.shape[axis], meaning)
   dtype = checks.check_float_dtypes(q_user=q_user, q_cand=q_cand, k=k, v=v)
-  if implementation is None:
-    if interpret:
-      raise ValueError("interpret=True needs a named kernel implementation")
-    implementation = default_implementation(dtype, k.shape[-1])
-  checks.check_implementation(implementation, IMPLEMENTATIONS, _KERNELS, dtype, interpret)
+  implementation = checks.resolve_implementation(
+      implementation, IMPLEMENTATIONS, _KERNELS, dtype, interpret,
+      lambda: default_implementation(dtype, k.shape[-1]))
   target.check_mosaic_head_dim(implementation, k.shape[-1])
   kv_len = target.prepare_kv_len(kv_len, index, k.shape[1], checked)
   scale = 1.0 / math.sqrt(k.shape[-1]) if scale is None else float(scale)

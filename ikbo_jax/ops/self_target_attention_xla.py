@@ -6,7 +6,6 @@ Shapes: `q_user, k, v [U, S, H, D]`, `q_cand [B, T, H, D]`, `cand_to_user int32[
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from ikbo_jax.ops import target_attention_xla
@@ -21,19 +20,6 @@ def self_attention(q_user, k, v, kv_len, *, scale: float, causal: bool, precisio
   """Each user's queries over its own keys `< kv_len`; padded query rows are zeros."""
   out, _ = target_attention_xla.attention(q_user, k, v, kv_len, scale=scale, causal=causal,
                                           precision=precision)
-  return jnp.where(query_valid(kv_len, k.shape[1]), out, 0).astype(q_user.dtype)
-
-
-def self_attention_cudnn(q_user, k, v, kv_len, *, scale: float, causal: bool):
-  """`self_attention` on cuDNN's fused attention (GPU only; bfloat16/float16).
-
-  cuDNN's padding mask takes the same lengths for queries and keys. A user with
-  `kv_len == 0` is given one key (its row is zeroed below, so its gradient is
-  zero) because a fully masked softmax would be 0/0 inside cuDNN.
-  """
-  out = jax.nn.dot_product_attention(
-      q_user, k, v, scale=scale, is_causal=causal, query_seq_lengths=jnp.maximum(kv_len, 1),
-      key_value_seq_lengths=jnp.maximum(kv_len, 1), implementation="cudnn")
   return jnp.where(query_valid(kv_len, k.shape[1]), out, 0).astype(q_user.dtype)
 
 

@@ -116,11 +116,9 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
   """
   check_args(q, k, v, index, kv_len)
   dtype = checks.check_float_dtypes(q=q, k=k, v=v)
-  if implementation is None:
-    if interpret:
-      raise ValueError("interpret=True needs a named kernel implementation")
-    implementation = default_implementation(dtype, q.shape[-1])
-  checks.check_implementation(implementation, IMPLEMENTATIONS, _KERNELS, dtype, interpret)
+  implementation = checks.resolve_implementation(
+      implementation, IMPLEMENTATIONS, _KERNELS, dtype, interpret,
+      lambda: default_implementation(dtype, q.shape[-1]))
   check_mosaic_head_dim(implementation, q.shape[-1])
   kv_len = prepare_kv_len(kv_len, index, k.shape[1], checked)
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

@@ -20,13 +20,13 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 
 
 def _run(q, k, v, index: CandidateIndex, kv_len, *, scale: float, save_lse: bool,
-         self_attention: tuple | None, config: kernel.Config, interpret: bool):
+         q_user, causal: bool, config: kernel.Config, interpret: bool):
   """Pads, builds the query tiles, runs the kernel and slices the padding off again."""
   num_queries, seq_len = q.shape[1], k.shape[1]
   packed_queries = query_tiles.packed_num_queries(num_queries, kernel.BLOCK_ROWS)
   q = pad_to(q, 1, packed_queries)
   seq_multiple = config.block_kv
-  if self_attention is not None:
+  if q_user is not None:
     seq_multiple = max(seq_multiple, kernel.NUM_CONSUMERS * kernel.BLOCK_ROWS)
   padded_len = round_up(seq_len, seq_multiple)
   k, v = pad_to(k, 1, padded_len), pad_to(v, 1, padded_len)
@@ -34,8 +34,7 @@ def _run(q, k, v, index: CandidateIndex, kv_len, *, scale: float, save_lse: bool
                             blocks_per_tile=kernel.NUM_CONSUMERS)
   tile_kv_len = jnp.where(tiles.live, kv_len[tiles.user], 0)
   user_queries = None
-  if self_attention is not None:
-    q_user, causal = self_attention
+  if q_user is not None:
     user_queries = kernel.SelfAttention(pad_to(q_user, 1, padded_len), kv_len, causal)
   out, lse, out_user = kernel.forward(q, k, v, tiles, tile_kv_len, scale=scale,
                                       save_lse=save_lse, self_attention=user_queries,
@@ -51,7 +50,7 @@ def forward(q, k, v, index: CandidateIndex, kv_len, *, scale: float, save_lse: b
             config: kernel.Config = kernel.Config(), interpret: bool = False):
   """`(out [B, T, H, D], lse [B, T, H] float32 or None)`; `kv_len` already clamped to `[0, S]`."""
   out, lse, _ = _run(q, k, v, index, kv_len, scale=scale, save_lse=save_lse,
-                     self_attention=None, config=config, interpret=interpret)
+                     q_user=None, causal=False, config=config, interpret=interpret)
   return out, lse
 
 
@@ -60,5 +59,5 @@ def self_target_forward(q_user, q, k, v, index: CandidateIndex, kv_len, *, scale
                         interpret: bool = False):
   """`(out_user [U, S, H, D], out [B, T, H, D], lse [B, T, H] or None)` in one launch."""
   out, lse, out_user = _run(q, k, v, index, kv_len, scale=scale, save_lse=save_lse,
-                            self_attention=(q_user, causal), config=config, interpret=interpret)
+                            q_user=q_user, causal=causal, config=config, interpret=interpret)
   return out_user, out, lse

@@ -130,11 +130,10 @@ def _body(cand_to_user_gmem, a_gmem, e_gmem, user_res_gmem, out_gmem, user: _Use
   m_iters, n_iters = pl.cdiv(m, cta_tile_m), pl.cdiv(n, cta_tile_n)
   num_users = 0 if user is None else user.e.shape[0]
   # Both pipelines share one set of shared-memory slots, so they need the same depth.
-  k_steps = [pl.cdiv(k, tile_k)] + ([] if user is None else [pl.cdiv(user.e.shape[1], tile_k)])
-  depth = min(config.max_concurrent_steps, *k_steps)
+  user_k = k if user is None else user.e.shape[1]
+  depth = min(config.max_concurrent_steps, pl.cdiv(k, tile_k), pl.cdiv(user_k, tile_k))
   cand_pipeline = _k_pipeline(config, k, depth, e_gmem.dtype)
-  user_pipeline = None if user is None else _k_pipeline(config, user.e.shape[1], depth,
-                                                        e_gmem.dtype)
+  user_pipeline = _k_pipeline(config, user_k, depth, e_gmem.dtype)
   ignore = lambda *_, **__: None
 
   def mma_step(_, a_smem, e_smem, acc_ref, *, wg_m, wg_n):
