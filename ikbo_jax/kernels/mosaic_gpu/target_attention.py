@@ -11,8 +11,9 @@ The consumers follow the FlashAttention-3 schedule: WGMMA for `Q K^T` and
 `P V` with float32 accumulators, the online softmax in base 2 with the logit
 scale folded into the exponent, and a schedule barrier that alternates the
 two consumers between tensor-core work and softmax. Each consumer copies its
-candidates' query rows in by index, and stores output rows (and the lse) back
-by index, dropping the slots that only pad the block.
+candidates' query rows in by index, one item ahead (two buffers, so the copy
+hides behind the current item's first step), and stores output rows (and the
+lse) back by index, dropping the slots that only pad the block.
 
 Per-user lengths: the tile runs `ceil(kv_len / block_kv)` K/V steps, and only
 the last step masks keys past `kv_len`. A tile whose user has `kv_len == 0`
@@ -112,7 +113,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
             q_ref, k_ref, v_ref, user_kv_len_ref, q_user_ref, out_ref, lse_ref, out_user_ref,
             scoped, *, scale: float, slot_rows: int, causal: bool, config: Config,
             interpret: bool):
-  (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), consumed, schedule = scoped
+  (qo_smem3, k_smem, v_smem, lse_smem3), (k_ready, v_ready, q_ready), consumed, schedule = scoped
   k_consumed, v_consumed = consumed
   wg = lax.axis_index("wg")
   head_dim, dtype = q_ref.shape[-1], q_ref.dtype
@@ -162,43 +163,60 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
     plgpu.barrier_arrive(schedule)
     plgpu.barrier_wait(schedule)
 
+  def when_kind(item: _Item, for_cands, for_users):
+    """Runs the candidate or the user variant of a step, by the item's kind."""
+    if q_user_ref is None:
+      for_cands()
+    else:
+      pl.when(jnp.logical_not(item.is_user))(for_cands)
+      pl.when(item.is_user)(for_users)
+
   @pl.when(wg < NUM_CONSUMERS)
   def _consumer():
     plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
-    qo_smem = qo_smem2.at[wg]
+    slots = [pl.ds(j * slot_rows, slot_rows) for j in range(cands_per_block)]
+
+    def gmem_rows(item: _Item):
+      """This consumer's query (and output) rows in GMEM: per candidate slot, and per user slot."""
+      row_start = piece_ref[item.tile, wg] * BLOCK_ROWS
+      cand_rows = [(cands_ref[item.tile, wg, j], pl.ds(row_start, slot_rows), item.head)
+                   for j in range(cands_per_block)]
+      user_rows = item.user_row + wg * BLOCK_ROWS
+      own_rows = [(item.user, pl.ds(user_rows + j * slot_rows, slot_rows), item.head)
+                  for j in range(cands_per_block)]
+      return cand_rows, own_rows, row_start, user_rows
+
+    def load_queries(i):
+      """Starts the copy of item `i`'s query rows into its buffer, `i % 2`."""
+      item, buf = item_info(i), lax.rem(i, 2)
+      cand_rows, own_rows, _, _ = gmem_rows(item)
+
+      def load(src_ref, rows):
+        for slot, at in zip(slots, rows):
+          plgpu.copy_gmem_to_smem(src_ref.at[at], qo_smem3.at[buf, wg, slot],
+                                  q_ready.at[buf * NUM_CONSUMERS + wg])
+
+      when_kind(item, lambda: load(q_ref, cand_rows), lambda: load(q_user_ref, own_rows))
 
     def item_body(i, first_step):
       """One work item; `first_step` counts the K/V steps of earlier items (pipeline slots)."""
       item = item_info(i)
-      tile, head, user, kv_len, kv_steps = (
-          item.tile, item.head, item.user, item.kv_len, item.kv_steps)
-      row_start = piece_ref[tile, wg] * BLOCK_ROWS
-      slot_cands = [cands_ref[tile, wg, j] for j in range(cands_per_block)]
-      user_rows = item.user_row + wg * BLOCK_ROWS  # this block's first row, for user tiles
-      # Slices of this block's query (and output) rows in GMEM, and of its slots in SMEM.
-      cand_rows = [(cand, pl.ds(row_start, slot_rows), head) for cand in slot_cands]
-      own_rows = [(user, pl.ds(user_rows + j * slot_rows, slot_rows), head)
-                  for j in range(cands_per_block)]
-      slots = [pl.ds(j * slot_rows, slot_rows) for j in range(cands_per_block)]
+      tile, head, kv_len, kv_steps = item.tile, item.head, item.kv_len, item.kv_steps
+      cand_rows, own_rows, row_start, user_rows = gmem_rows(item)
+      buf = lax.rem(i, 2)
+      qo_smem = qo_smem3.at[buf, wg]
+      lse_smem = lse_smem3.at[buf, wg] if lse_ref is not None else None
 
-      def when_kind(for_cands, for_users):
-        """Runs the candidate or the user variant of a step, by this item's kind."""
-        if q_user_ref is None:
-          for_cands()
-        else:
-          pl.when(jnp.logical_not(item.is_user))(for_cands)
-          pl.when(item.is_user)(for_users)
+      def prefetch_next_queries():
+        # Item i + 1 loads while this one computes. Its buffer holds item i - 1's
+        # output, whose stores (issued at the end of that item) must be done reading.
+        @pl.when(i + 1 < my_items)
+        def _():
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          load_queries(i + 1)
 
-      # The previous item's output stores must be done reading qo_smem.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-      def load_queries(src_ref, rows):
-        for slot, at in zip(slots, rows):
-          plgpu.copy_gmem_to_smem(src_ref.at[at], qo_smem.at[slot], q_ready.at[wg])
-
-      when_kind(lambda: load_queries(q_ref, cand_rows),
-                lambda: load_queries(q_user_ref, own_rows))
-      plgpu.barrier_wait(q_ready.at[wg])
+      plgpu.barrier_wait(q_ready.at[buf * NUM_CONSUMERS + wg])
+      pl.when(kv_steps == 0)(prefetch_next_queries)
 
       rows = (BLOCK_ROWS,)
       m_i = plgpu.layout_cast(jnp.full(rows, -jnp.inf, jnp.float32),
@@ -222,6 +240,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
 
         def qk(acc_ref):
           plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].T)
+          pl.when(step == 0)(prefetch_next_queries)  # while the tensor cores work
           schedule_barrier()
           return acc_ref[...]
 
@@ -275,7 +294,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         acc = jnp.where(row + user_rows < jnp.where(item.is_user, kv_len, _NO_LIMIT), acc, 0.0)
       qo_smem[...] = acc.astype(dtype)
       if lse_ref is not None:
-        lse_smem2[wg] = (m_i + jnp.log2(l_i)) / _LOG2E
+        lse_smem[...] = (m_i + jnp.log2(l_i)) / _LOG2E
       plgpu.commit_smem()
 
       def store_cands():
@@ -285,16 +304,17 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           def _store():
             plgpu.copy_smem_to_gmem(qo_smem.at[slot], out_ref.at[at])
             if lse_ref is not None:
-              plgpu.copy_smem_to_gmem(lse_smem2.at[wg, slot],
+              plgpu.copy_smem_to_gmem(lse_smem.at[slot],
                                       lse_ref.at[at[0], head, pl.ds(row_start, slot_rows)])
 
       def store_own_rows():
         for slot, at in zip(slots, own_rows):
           plgpu.copy_smem_to_gmem(qo_smem.at[slot], out_user_ref.at[at])
 
-      when_kind(store_cands, store_own_rows)
+      when_kind(item, store_cands, store_own_rows)
       return first_step + kv_steps
 
+    load_queries(0)  # every program has at least one item
     lax.fori_loop(0, my_items, item_body, jnp.int32(0))
     plgpu.wait_smem_to_gmem(0)
 
@@ -380,10 +400,11 @@ def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: 
     lse_ref = outs.pop(0) if save_lse else None
     out_user_ref = outs.pop(0) if has_self else None
     scratch = (
-        plgpu.SMEM((NUM_CONSUMERS, BLOCK_ROWS, head_dim), dtype, transforms=q_transforms),
+        # Two buffers per consumer: the next item's queries load during this item.
+        plgpu.SMEM((2, NUM_CONSUMERS, BLOCK_ROWS, head_dim), dtype, transforms=q_transforms),
         plgpu.SMEM((stages, config.block_kv, head_dim), dtype, transforms=q_transforms),
         plgpu.SMEM((stages, config.block_kv, head_dim), dtype, transforms=q_transforms),
-        plgpu.SMEM((NUM_CONSUMERS, BLOCK_ROWS), jnp.float32) if save_lse else None,
+        plgpu.SMEM((2, NUM_CONSUMERS, BLOCK_ROWS), jnp.float32) if save_lse else None,
     )
     pl.run_scoped(
         lambda *scoped: _kernel(
@@ -393,7 +414,7 @@ def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: 
         scratch,
         (plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_barriers=stages),
-         plgpu.Barrier(num_arrivals=tiles.cands_per_block, num_barriers=NUM_CONSUMERS)),
+         plgpu.Barrier(num_arrivals=tiles.cands_per_block, num_barriers=2 * NUM_CONSUMERS)),
         (plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),) * 2,
         plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
         collective_axes="wg",
