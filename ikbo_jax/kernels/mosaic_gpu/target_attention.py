@@ -57,6 +57,10 @@ class Config:
   # the next item's K/V during this item's epilogue), or one CTA per item.
   # Persistent measured faster at every S on the H200 (0.269 vs 0.287 ms at S=1024).
   persistent: bool = True
+  # Keep the consumers' turns on the tensor cores going from one item to the
+  # next (one consumer's epilogue then overlaps the other's softmax), instead
+  # of restarting them at every item.
+  turns_across_items: bool = False
 
   def __post_init__(self):
     if self.block_kv % 64:
@@ -163,6 +167,14 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
     plgpu.barrier_arrive(schedule)
     plgpu.barrier_wait(schedule)
 
+  def start_turns():
+    # Offsets consumer 1 by half a step: from here on the two consumers take
+    # turns on the tensor cores (one runs WGMMA while the other does softmax).
+    pl.when(wg == 1)(schedule_barrier)
+
+  def end_turns():
+    pl.when(wg == 0)(schedule_barrier)  # consumer 0's matching barrier
+
   def when_kind(item: _Item, for_cands, for_users):
     """Runs the candidate or the user variant of a step, by the item's kind."""
     if q_user_ref is None:
@@ -230,9 +242,8 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
       def _():
         plgpu.barrier_wait(k_ready.at[slot_of(0)])
 
-      # Offsets consumer 1 by half a step: from here on the two consumers take
-      # turns on the tensor cores (one runs WGMMA while the other does softmax).
-      pl.when(wg == 1)(schedule_barrier)
+      if not config.turns_across_items:
+        start_turns()
 
       def kv_step_body(step, carry, masked: bool):
         acc, m_i, l_i = carry
@@ -283,7 +294,8 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
                             (acc, m_i, l_i))
       acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps,
                                     functools.partial(kv_step_body, masked=True), carry)
-      pl.when(wg == 0)(schedule_barrier)
+      if not config.turns_across_items:
+        end_turns()
 
       # A user with no valid key has l == 0: write zeros rather than 0/0.
       l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
@@ -315,7 +327,11 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
       return first_step + kv_steps
 
     load_queries(0)  # every program has at least one item
+    if config.turns_across_items:
+      start_turns()
     lax.fori_loop(0, my_items, item_body, jnp.int32(0))
+    if config.turns_across_items:
+      end_turns()
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == NUM_CONSUMERS)
