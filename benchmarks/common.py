@@ -43,6 +43,17 @@ def measure_ceilings() -> dict:
   return dict(matmul_tflops=2 * n ** 3 / mm_ms / 1e9, copy_tbps=2 * x.nbytes / copy_ms / 1e9)
 
 
+def rates(ms: float, flops: float, nbytes: float, ceilings: dict) -> dict:
+  """TFLOP/s, TB/s and the fraction of the roofline reached in `ms`.
+
+  The roofline time is the larger of `flops` at the measured matmul rate and
+  `nbytes` (the fewest bytes the problem must move) at the measured copy bandwidth.
+  """
+  roofline_ms = max(flops / (ceilings["matmul_tflops"] * 1e9),
+                    nbytes / (ceilings["copy_tbps"] * 1e9))
+  return dict(tflops=flops / ms / 1e9, tbps=nbytes / ms / 1e9, roofline_fraction=roofline_ms / ms)
+
+
 def metadata() -> dict:
   commit = os.environ.get("IKBO_COMMIT")  # the device machine's copy has no .git
   try:

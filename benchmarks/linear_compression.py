@@ -89,10 +89,7 @@ def run_shape(shape, dtype, ceilings, kernels, iterations, check=True):
   for name, (fn, operands) in variants(args, index, kernels).items():
     ms, timer = common.median_ms(fn, *operands, iterations=iterations)
     flops, nbytes = _flops_bytes(name, **shape, itemsize=jnp.dtype(dtype).itemsize)
-    roofline_ms = max(flops / (ceilings["matmul_tflops"] * 1e9),
-                      nbytes / (ceilings["copy_tbps"] * 1e9))
-    row = dict(ms=ms, timer=timer, tflops=flops / ms / 1e9, tbps=nbytes / ms / 1e9,
-               roofline_fraction=roofline_ms / ms)
+    row = dict(ms=ms, timer=timer, **common.rates(ms, flops, nbytes, ceilings))
     if check and not name.startswith(("floor", "baseline_prebroadcast")):
       result = fn(*operands).astype(jnp.float32)
       ref = result if ref is None else ref

@@ -33,11 +33,20 @@ from ikbo_jax.nn import UserSequenceBlock
 SEQ_LENS = (512, 1024, 2048, 4096)
 
 
-def _flops(shape, seq_len, causal):
+def _cost(shape, seq_len, causal, itemsize, backward=False):
+  """(FLOPs, fewest bytes): q_user, q_cand, k, v read and both outputs written once.
+
+  Forward + backward: 2.5x the FLOPs; both queries, both cotangents and k, v
+  read, dq_user, dq_cand, dk, dv written.
+  """
   u, b, h, d, t = (shape[key] for key in ("num_users", "num_candidates", "heads", "head_dim",
                                           "n_seed"))
   self_pairs = seq_len * (seq_len + 1) / 2 if causal else seq_len * seq_len
-  return 4 * u * h * d * self_pairs + 4 * b * h * t * seq_len * d
+  flops = 4 * u * h * d * self_pairs + 4 * b * h * t * seq_len * d
+  user_size, cand_size = u * seq_len * h * d, b * t * h * d
+  if backward:
+    return 2.5 * flops, itemsize * (3 * cand_size + 3 * user_size + 4 * user_size)
+  return flops, itemsize * (2 * cand_size + 2 * user_size + 2 * user_size)
 
 
 def _inputs(shape, seq_len, dtype):
@@ -108,28 +117,30 @@ def _block_rows(shape, seq_len, dtype, index):
   }
 
 
-def run(shape, seq_len, dtype, iterations, on_gpu, with_backward, with_block):
+def run(shape, seq_len, dtype, iterations, on_gpu, with_backward, with_block, ceilings):
   operands, index, cotangents = _inputs(shape, seq_len, dtype)
+  itemsize = jnp.dtype(dtype).itemsize
   rows = {}
 
-  def time_row(name, fn, args, flops=None):
+  def time_row(name, fn, args, cost=None):
     try:
       ms, timer = common.median_ms(fn, *args, iterations=iterations)
     except Exception as e:  # e.g. a baseline's memory at long S: record it and go on
       rows[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
       return
     rows[name] = dict(ms=ms, timer=timer)
-    if flops:
-      rows[name]["tflops"] = flops / ms / 1e9
+    if cost:
+      rows[name].update(common.rates(ms, *cost, ceilings))
 
   for causal in (False, True):
     prefix = "causal/" if causal else ""
-    flops = _flops(shape, seq_len, causal)
+    cost = _cost(shape, seq_len, causal, itemsize)
     for name, step in _steps(index, causal, on_gpu).items():
-      partial_flops = None if name in ("self_cudnn", "target_mosaic_gpu") else flops
-      time_row(prefix + name, jax.jit(step), operands, partial_flops)
+      whole = name not in ("self_cudnn", "target_mosaic_gpu")
+      time_row(prefix + name, jax.jit(step), operands, cost if whole else None)
       if with_backward and not causal and name in ("fused", "two_launches", "materialized"):
-        time_row("fwd_bwd/" + name, _fwd_bwd(step, cotangents), operands, 2.5 * flops)
+        time_row("fwd_bwd/" + name, _fwd_bwd(step, cotangents), operands,
+                 _cost(shape, seq_len, causal, itemsize, backward=True))
   if with_block:
     for name, (fn, args) in _block_rows(shape, seq_len, dtype, index).items():
       time_row(name, fn, args)
@@ -158,13 +169,14 @@ def main():
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
   shape = SMALL if args.small else PUBLISHED
   seq_lens = [32] if args.small else args.seq_lens
-  payload = dict(**common.metadata(), dtype=jnp.dtype(dtype).name, shape=shape,
+  ceilings = common.measure_ceilings()
+  payload = dict(**common.metadata(), dtype=jnp.dtype(dtype).name, shape=shape, ceilings=ceilings,
                  flops="4*U*H*S*S*D (causal: S*(S+1)/2 pairs) + 4*B*H*n_seed*S*D",
-                 fwd_bwd_flops="2.5x forward", sweep={})
+                 fwd_bwd_flops="2.5x forward", bytes="fewest (see _cost)", sweep={})
   for seq_len in seq_lens:
     rows = run(shape, seq_len, dtype, args.iterations, on_gpu,
                with_backward=args.small or seq_len in args.backward_seq_lens,
-               with_block=args.small or seq_len in args.block_seq_lens)
+               with_block=args.small or seq_len in args.block_seq_lens, ceilings=ceilings)
     payload["sweep"][seq_len] = rows
     print("S", seq_len, {k: (round(r["ms"], 3), round(r.get("tflops", 0))) if "ms" in r
                          else r["error"][:120] for k, r in rows.items()}, flush=True)

@@ -76,56 +76,63 @@ def _inputs(seq_len, counts, shape, dtype, shuffle_seed):
 
 
 def variants(seq_len, shape, dtype, on_gpu, with_backward):
-  """name -> (fn, operands, forward FLOPs): forward rows, then `fwd_bwd/` rows."""
+  """name -> (fn, operands, (FLOPs, bytes)): forward rows, then `fwd_bwd/` rows."""
   u = shape["num_users"]
-  flops = lambda q: 4 * q.shape[0] * q.shape[2] * q.shape[1] * seq_len * q.shape[3]
+
+  def cost(q, k, backward=False):
+    """(FLOPs, fewest bytes): read q, k, v and write out (+ read d_out, write dq, dk, dv)."""
+    flops = 4 * q.shape[0] * q.shape[2] * q.shape[1] * seq_len * q.shape[3]
+    if backward:
+      return 2.5 * flops, q.dtype.itemsize * (3 * q.size + 4 * k.size)
+    return flops, q.dtype.itemsize * (2 * q.size + 2 * k.size)
+
   uniform = np.full(u, shape["num_candidates"] // u)
   q, k, v, d_out, sorted_index, index = _inputs(seq_len, uniform, shape, dtype, seq_len)
   ids = sorted_index.cand_to_user
   if not on_gpu:
-    return {"xla": (jax.jit(_ikbo("xla")), (q, k, v, index), flops(q)),
-            "xla_materialized": (jax.jit(_ikbo("xla_materialized")), (q, k, v, index), flops(q))}
+    return {"xla": (jax.jit(_ikbo("xla")), (q, k, v, index), cost(q, k)),
+            "xla_materialized": (jax.jit(_ikbo("xla_materialized")), (q, k, v, index), cost(q, k))}
   rows = {
-      "cudnn_prebroadcast": (jax.jit(cudnn), (q, k[ids], v[ids]), flops(q)),
-      "broadcast_cudnn": (jax.jit(_broadcast_cudnn), (q, k, v, ids), flops(q)),
-      "cudnn_packed_sorted": (jax.jit(_packed_cudnn), (q, k, v), flops(q)),
+      "cudnn_prebroadcast": (jax.jit(cudnn), (q, k[ids], v[ids]), cost(q, k)),
+      "broadcast_cudnn": (jax.jit(_broadcast_cudnn), (q, k, v, ids), cost(q, k)),
+      "cudnn_packed_sorted": (jax.jit(_packed_cudnn), (q, k, v), cost(q, k)),
   }
   for impl in ("mosaic_gpu", "triton"):
-    rows[f"{impl}_shuffled"] = (jax.jit(_ikbo(impl)), (q, k, v, index), flops(q))
-    rows[f"{impl}_sorted"] = (jax.jit(_ikbo(impl)), (q, k, v, sorted_index), flops(q))
+    rows[f"{impl}_shuffled"] = (jax.jit(_ikbo(impl)), (q, k, v, index), cost(q, k))
+    rows[f"{impl}_sorted"] = (jax.jit(_ikbo(impl)), (q, k, v, sorted_index), cost(q, k))
   per_item = functools.partial(target_attention_mosaic.forward, save_lse=False,
                                scale=1 / np.sqrt(q.shape[-1]),
                                config=mosaic_kernel.Config(persistent=False))
   rows["mosaic_gpu_cta_per_tile_shuffled"] = (
       jax.jit(lambda q, k, v, index: per_item(q, k, v, index, jnp.full(u, seq_len))[0]),
-      (q, k, v, index), flops(q))
+      (q, k, v, index), cost(q, k))
   odd = 64 + np.random.default_rng(seq_len).integers(0, 2, u)
   q_odd, k_odd, v_odd, _, _, odd_index = _inputs(seq_len, odd, shape, dtype, seq_len + 1)
   rows["mosaic_gpu_odd_shuffled"] = (jax.jit(_ikbo("mosaic_gpu")),
-                                     (q_odd, k_odd, v_odd, odd_index), flops(q_odd))
+                                     (q_odd, k_odd, v_odd, odd_index), cost(q_odd, k_odd))
   if with_backward:
     rows.update({
         "fwd_bwd/broadcast_cudnn": (_fwd_bwd(lambda q, k, v: _broadcast_cudnn(q, k, v, ids)),
-                                    (q, k, v, d_out), 2.5 * flops(q)),
+                                    (q, k, v, d_out), cost(q, k, backward=True)),
         "fwd_bwd/cudnn_packed_sorted": (_fwd_bwd(_packed_cudnn), (q, k, v, d_out),
-                                        2.5 * flops(q)),
+                                        cost(q, k, backward=True)),
         "fwd_bwd/mosaic_gpu_shuffled": (
             _fwd_bwd(lambda q, k, v: _ikbo("mosaic_gpu")(q, k, v, index)), (q, k, v, d_out),
-            2.5 * flops(q)),
+            cost(q, k, backward=True)),
     })
   return rows
 
 
-def run(seq_len, shape, dtype, iterations, on_gpu, with_backward):
+def run(seq_len, shape, dtype, iterations, on_gpu, with_backward, ceilings):
   rows = {}
-  for name, (fn, operands, flops) in variants(seq_len, shape, dtype, on_gpu,
-                                              with_backward).items():
+  for name, (fn, operands, (flops, nbytes)) in variants(seq_len, shape, dtype, on_gpu,
+                                                        with_backward).items():
     try:
       ms, timer = common.median_ms(fn, *operands, iterations=iterations)
     except Exception as e:  # e.g. out of memory at long S: record it and go on
       rows[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
       continue
-    rows[name] = dict(ms=ms, timer=timer, tflops=flops / ms / 1e9)
+    rows[name] = dict(ms=ms, timer=timer, **common.rates(ms, flops, nbytes, ceilings))
   for name, row in rows.items():
     prefix = "fwd_bwd/" if name.startswith("fwd_bwd/") else ""
     for base in BASELINES:
@@ -147,11 +154,14 @@ def main():
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
   shape = SMALL if args.small else PUBLISHED
-  payload = dict(**common.metadata(), dtype=jnp.dtype(dtype).name, shape=shape,
-                 flops_per_forward="4*B*H*n_seed*S*D", fwd_bwd_flops="2.5x forward", sweep={})
+  ceilings = common.measure_ceilings()
+  payload = dict(**common.metadata(), dtype=jnp.dtype(dtype).name, shape=shape, ceilings=ceilings,
+                 flops_per_forward="4*B*H*n_seed*S*D", fwd_bwd_flops="2.5x forward",
+                 bytes="fewest: q, k, v read and out written once (fwd_bwd: q, d_out, dq, k, v, "
+                       "dk, dv)", sweep={})
   for seq_len in ([32] if args.small else args.seq_lens):
     rows = run(seq_len, shape, dtype, args.iterations, on_gpu,
-               with_backward=seq_len in args.backward_seq_lens)
+               with_backward=seq_len in args.backward_seq_lens, ceilings=ceilings)
     payload["sweep"][seq_len] = rows
     print("S", seq_len, {k: (round(r["ms"], 3), round(r["tflops"])) if "ms" in r else "error"
                          for k, r in rows.items()}, flush=True)

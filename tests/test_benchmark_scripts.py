@@ -13,7 +13,8 @@ def test_target_attention_benchmark_small(tmp_path):
   subprocess.run([sys.executable, "-m", "benchmarks.target_attention", "--small",
                   "--iterations", "2", "--out", str(out)], cwd=ROOT, check=True)
   result = json.loads(out.read_text())
-  assert result["sweep"]["32"]["xla_materialized"]["ms"] > 0
+  row = result["sweep"]["32"]["xla_materialized"]
+  assert row["ms"] > 0 and 0 < row["roofline_fraction"] and row["tbps"] > 0
 
 
 def test_self_target_attention_benchmark_small(tmp_path):
@@ -22,3 +23,4 @@ def test_self_target_attention_benchmark_small(tmp_path):
                   "--iterations", "2", "--out", str(out)], cwd=ROOT, check=True)
   rows = json.loads(out.read_text())["sweep"]["32"]
   assert rows["fused_xla"]["ms"] > 0 and rows["block/user_sequence_block"]["ms"] > 0
+  assert 0 < rows["fused_xla"]["roofline_fraction"] and rows["fused_xla"]["tbps"] > 0
