@@ -24,6 +24,7 @@ from ikbo_jax.ops import target_attention_mosaic
 CONFIGS = {
     "default": kernel.Config(),
     "turns_across_items": kernel.Config(turns_across_items=True),
+    "query_prefetch_step=0": kernel.Config(query_prefetch_step=0),
 }
 
 

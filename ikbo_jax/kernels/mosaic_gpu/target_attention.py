@@ -12,7 +12,7 @@ The consumers follow the FlashAttention-3 schedule: WGMMA for `Q K^T` and
 scale folded into the exponent, and a schedule barrier that alternates the
 two consumers between tensor-core work and softmax. Each consumer copies its
 candidates' query rows in by index, one item ahead (two buffers, so the copy
-hides behind the current item's first step), and stores output rows (and the
+hides behind the current item's K/V steps), and stores output rows (and the
 lse) back by index, dropping the slots that only pad the block.
 
 Per-user lengths: the tile runs `ceil(kv_len / block_kv)` K/V steps, and only
@@ -61,12 +61,17 @@ class Config:
   # next (one consumer's epilogue then overlaps the other's softmax), instead
   # of restarting them at every item.
   turns_across_items: bool = False
+  # The K/V step of an item during which the next item's queries load (the
+  # previous item's output stores must be done reading their buffer by then).
+  query_prefetch_step: int = 1
 
   def __post_init__(self):
     if self.block_kv % 64:
       raise ValueError(f"block_kv must be a multiple of 64, got {self.block_kv}")
     if self.max_concurrent_steps < 2:
       raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
+    if self.query_prefetch_step < 0:
+      raise ValueError(f"query_prefetch_step must be >= 0, got {self.query_prefetch_step}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +256,9 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
 
         def qk(acc_ref):
           plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].T)
-          pl.when(step == 0)(prefetch_next_queries)  # while the tensor cores work
+          # While the tensor cores work.
+          pl.when(step == jnp.minimum(config.query_prefetch_step, kv_steps - 1))(
+              prefetch_next_queries)
           schedule_barrier()
           return acc_ref[...]
 
