@@ -26,7 +26,7 @@ cells = [
         "seq_lens = sorted(sweep, key=int)"),
     nbf.v4.new_markdown_cell("## Every row: median kernel time, throughput, speedups"),
     nbf.v4.new_code_cell(
-        "print(f\"{'S':>5s} {'variant':42s} {'ms':>8s} {'TFLOP/s':>8s}  speedups\")\n"
+        "print(f\"{'S':>5s} {'variant':42s} {'ms':>8s} {'TFLOP/s':>8s} {'roofline':>8s}  speedups\")\n"
         "for s in seq_lens:\n"
         "    for name, r in sweep[s].items():\n"
         "        if 'ms' not in r:\n"
@@ -34,7 +34,8 @@ cells = [
         "        ratios = {k.removeprefix('speedup_vs_'): round(v, 3) for k, v in r.items()\n"
         "                  if k.startswith('speedup_vs_')}\n"
         "        tflops = f\"{r['tflops']:8.0f}\" if 'tflops' in r else ' ' * 8\n"
-        "        print(f\"{s:>5s} {name:42s} {r['ms']:8.3f} {tflops}  {ratios or ''}\")"),
+        "        roofline = f\"{r['roofline_fraction']:8.2f}\" if 'roofline_fraction' in r else ' ' * 8\n"
+        "        print(f\"{s:>5s} {name:42s} {r['ms']:8.3f} {tflops} {roofline}  {ratios or ''}\")"),
     nbf.v4.new_markdown_cell(
         "## Fused launch vs two launches\n\n"
         "Time of the two launches divided by the fused launch's: above 1 the fused launch is "

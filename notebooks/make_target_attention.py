@@ -23,13 +23,16 @@ cells = [
         "names = sorted({n for s in seq_lens for n in sweep[s]})"),
     nbf.v4.new_markdown_cell(
         "## Forward: median kernel time and throughput\n\n"
-        "TFLOP/s counts `4*B*H*n_seed*S*D` (forward) and 2.5x that for forward + backward."),
+        "TFLOP/s counts `4*B*H*n_seed*S*D` (forward) and 2.5x that for forward + backward; "
+        "roofline is the fraction of the time that the FLOPs would take at the bf16 matmul rate "
+        "measured in the same run (the bytes never bind here)."),
     nbf.v4.new_code_cell(
-        "print(f\"{'S':>6s} {'variant':34s} {'ms':>8s} {'TFLOP/s':>8s}\")\n"
+        "print(f\"{'S':>6s} {'variant':34s} {'ms':>8s} {'TFLOP/s':>8s} {'roofline':>8s}\")\n"
         "for s in seq_lens:\n"
         "    for name, r in sweep[s].items():\n"
         "        if 'ms' in r:\n"
-        "            print(f\"{s:>6s} {name:34s} {r['ms']:8.3f} {r['tflops']:8.0f}\")\n"
+        "            roofline = r.get('roofline_fraction', float('nan'))\n"
+        "            print(f\"{s:>6s} {name:34s} {r['ms']:8.3f} {r['tflops']:8.0f} {roofline:8.2f}\")\n"
         "        else:\n"
         "            print(f\"{s:>6s} {name:34s} {r['error'][:40]}\")"),
     nbf.v4.new_code_cell(
