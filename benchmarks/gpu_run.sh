@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call: benchmarks first (the numbers that matter most if the call is cut short),
 # then GPU tests, the demo and diagnostics. Results go to $OUT.
-# Set IKBO_COMMIT (the device copy has no .git). STEPS picks what runs (default: all), e.g.
-# STEPS="self_target tests demo"; BENCH_ARGS=--no-sweeps shortens the linear compression step.
+# Set IKBO_COMMIT (the device copy has no .git). STEPS picks what runs, by default
+# "lc attention self_target tests demo diagnostics"; also "attention_tests" (the attention GPU
+# tests only) and "attention_diagnostics". BENCH_ARGS=--no-sweeps shortens the lc step.
 set -uo pipefail
 OUT=${OUT:-/tmp/ikbo_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -28,6 +29,16 @@ if has tests; then
   timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -q -p no:cacheprovider tests -m gpu -rA 2>&1 \
     | tail -n 60 > "$OUT/gpu_tests.log"
   tail -n 4 "$OUT/gpu_tests.log"
+fi
+if has attention_tests; then
+  timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
+    tests/test_target_attention.py tests/test_target_attention_mosaic.py \
+    tests/test_self_target_attention.py 2>&1 | tail -n 30 > "$OUT/gpu_tests_attention.log"
+  tail -n 4 "$OUT/gpu_tests_attention.log"
+fi
+if has attention_diagnostics; then
+  timeout 240 python3 -m benchmarks.attention_diagnostics \
+    --out "$OUT/attention_diagnostics_h200.json" 2>&1 | grep "^S " | cut -c1-900
 fi
 if has demo; then
   timeout 60 python3 -m ikbo_jax.demo > "$OUT/demo.log" 2>&1; tail -n 5 "$OUT/demo.log"
