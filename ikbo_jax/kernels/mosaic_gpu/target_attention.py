@@ -63,7 +63,7 @@ class Config:
   turns_across_items: bool = False
   # The K/V step of an item during which the next item's queries load (the
   # previous item's output stores must be done reading their buffer by then).
-  query_prefetch_step: int = 1
+  query_prefetch_step: int = 0
 
   def __post_init__(self):
     if self.block_kv % 64:
