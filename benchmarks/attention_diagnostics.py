@@ -23,8 +23,6 @@ from ikbo_jax.ops import target_attention_mosaic
 
 CONFIGS = {
     "default": kernel.Config(),
-    "turns_across_items": kernel.Config(turns_across_items=True),
-    "query_prefetch_step=0": kernel.Config(query_prefetch_step=0),
     "block_kv=64,steps=4": kernel.Config(block_kv=64, max_concurrent_steps=4),
 }
 
