@@ -113,7 +113,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
             q_ref, k_ref, v_ref, user_kv_len_ref, q_user_ref, out_ref, lse_ref, out_user_ref,
             scoped, *, scale: float, slot_rows: int, causal: bool, config: Config,
             interpret: bool):
-  (qo_smem3, k_smem, v_smem, lse_smem3), (k_ready, v_ready, q_ready), consumed, schedule = scoped
+  (qo_buffers, k_smem, v_smem, lse_buffers), (k_ready, v_ready, q_ready), consumed, schedule = scoped
   k_consumed, v_consumed = consumed
   wg = lax.axis_index("wg")
   head_dim, dtype = q_ref.shape[-1], q_ref.dtype
@@ -204,7 +204,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
 
       def load(src_ref, rows):
         for slot, at in zip(slots, rows):
-          plgpu.copy_gmem_to_smem(src_ref.at[at], qo_smem3.at[buf, wg, slot],
+          plgpu.copy_gmem_to_smem(src_ref.at[at], qo_buffers.at[buf, wg, slot],
                                   q_ready.at[buf * NUM_CONSUMERS + wg])
 
       when_kind(item, lambda: load(q_ref, cand_rows), lambda: load(q_user_ref, own_rows))
@@ -215,8 +215,8 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
       tile, head, kv_len, kv_steps = item.tile, item.head, item.kv_len, item.kv_steps
       cand_rows, own_rows, row_start, user_rows = gmem_rows(item)
       buf = lax.rem(i, 2)
-      qo_smem = qo_smem3.at[buf, wg]
-      lse_smem = lse_smem3.at[buf, wg] if lse_ref is not None else None
+      qo_smem = qo_buffers.at[buf, wg]
+      lse_smem = lse_buffers.at[buf, wg] if lse_ref is not None else None
 
       def prefetch_next_queries():
         # Item i + 1 loads while this one computes. Its buffer holds item i - 1's
