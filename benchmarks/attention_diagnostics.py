@@ -3,7 +3,8 @@
     python -m benchmarks.attention_diagnostics --out diag.json
 
 Times target attention alone and self + target attention in one launch for each
-kernel `Config` in `CONFIGS` (median CUPTI time, one run), to pick the defaults.
+kernel `Config` in `CONFIGS` (median CUPTI time, one run), to pick the defaults,
+and records each config's largest difference from the default's output.
 """
 
 from __future__ import annotations
@@ -23,25 +24,37 @@ from ikbo_jax.ops import target_attention_mosaic
 
 CONFIGS = {
     "default": kernel.Config(),
+    "early_turn_arrivals": kernel.Config(early_turn_arrivals=True),
     "block_kv=64,steps=4": kernel.Config(block_kv=64, max_concurrent_steps=4),
 }
 
 
-def run(seq_len, iterations):
-  (q_user, q_cand, k, v), index, _ = _inputs(PUBLISHED, seq_len, jnp.bfloat16)
+def run(seq_len, iterations, shape=PUBLISHED):
+  (q_user, q_cand, k, v), index, _ = _inputs(shape, seq_len, jnp.bfloat16)
   kv_len = jnp.full(k.shape[0], seq_len, jnp.int32)
   common_args = dict(scale=1 / np.sqrt(k.shape[-1]), save_lse=False)
-  rows = {}
+  rows, outputs = {}, {}
   for name, config in CONFIGS.items():
     target = functools.partial(target_attention_mosaic.forward, config=config, **common_args)
     fused = functools.partial(target_attention_mosaic.self_target_forward, causal=False,
                               config=config, **common_args)
-    rows[f"target/{name}"] = common.median_ms(
-        jax.jit(lambda q, k, v, index: target(q, k, v, index, kv_len)[0]),
-        q_cand, k, v, index, iterations=iterations)[0]
-    rows[f"fused/{name}"] = common.median_ms(
-        jax.jit(lambda qu, q, k, v, index: fused(qu, q, k, v, index, kv_len)[:2]),
-        q_user, q_cand, k, v, index, iterations=iterations)[0]
+    steps = {
+        "target": (jax.jit(lambda q, k, v, index: target(q, k, v, index, kv_len)[0]),
+                   (q_cand, k, v, index)),
+        "fused": (jax.jit(lambda qu, q, k, v, index: fused(qu, q, k, v, index, kv_len)[:2]),
+                  (q_user, q_cand, k, v, index)),
+    }
+    for kind, (fn, operands) in steps.items():
+      try:
+        rows[f"{kind}/{name}"] = common.median_ms(fn, *operands, iterations=iterations)[0]
+        out = fn(*operands)
+        # Schedule-only configs must give the default's bits; others differ by rounding.
+        reference = outputs.setdefault(kind, out)
+        rows[f"{kind}/{name}/max_abs_diff_vs_default"] = max(
+            float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+            for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(reference)))
+      except Exception as e:  # a config that does not compile: record it and go on
+        rows[f"{kind}/{name}"] = f"{type(e).__name__}: {str(e)[:200]}"
   return rows
 
 
@@ -51,10 +64,11 @@ def main():
   parser.add_argument("--seq-lens", type=int, nargs="*", default=(512, 1024, 4096))
   parser.add_argument("--iterations", type=int, default=30)
   args = parser.parse_args()
-  payload = dict(**common.metadata(), shape=PUBLISHED, configs=list(CONFIGS), ms={})
+  payload = dict(**common.metadata(), shape=PUBLISHED, configs=list(CONFIGS), rows={})
   for seq_len in args.seq_lens:
-    payload["ms"][seq_len] = run(seq_len, args.iterations)
-    print("S", seq_len, {k: round(v, 4) for k, v in payload["ms"][seq_len].items()}, flush=True)
+    payload["rows"][seq_len] = run(seq_len, args.iterations)
+    print("S", seq_len, {k: round(v, 4) if isinstance(v, float) else v
+                         for k, v in payload["rows"][seq_len].items()}, flush=True)
     common.write_json(args.out, payload)
 
 

@@ -57,6 +57,7 @@ class Config:
   # the next item's K/V during this item's epilogue), or one CTA per item.
   # Persistent measured faster at every S on the H200 (0.269 vs 0.287 ms at S=1024).
   persistent: bool = True
+  early_turn_arrivals: bool = False  # see `start_turns` in the kernel
 
   def __post_init__(self):
     if self.block_kv % 64:
@@ -163,16 +164,27 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
     plgpu.barrier_arrive(schedule)
     plgpu.barrier_wait(schedule)
 
-  def start_turns():
-    # Offsets consumer 1 by half a step: from here on the two consumers take
-    # turns on the tensor cores (one runs WGMMA while the other does softmax).
-    # The turns restart at every item: keeping them going across items
-    # measured 1.5-4.6% slower on the H200 at S=512 and 1024 (consumer 1's
-    # last P @ V then waits for consumer 0's epilogue).
-    pl.when(wg == 1)(schedule_barrier)
+  # The consumers' turns restart at every item: consumer 1 starts half a step
+  # behind consumer 0 (one barrier phase), and consumer 0 ends with one extra
+  # phase to match. (Keeping the turns going across items measured 1.5-4.6%
+  # slower on the H200 at S=512 and 1024: consumer 1's last P @ V then waits
+  # for consumer 0's epilogue.) With `early_turn_arrivals`, each consumer
+  # arrives for those two phases as soon as its last P @ V is done and waits
+  # for them only at the next item's start, so neither waits for the other's
+  # epilogue.
+  def start_turns(i):
+    if config.early_turn_arrivals:
+      pl.when(wg == 1)(lambda: plgpu.barrier_wait(schedule))
+      pl.when((wg == 0) & (i > 0))(lambda: plgpu.barrier_wait(schedule))
+    else:
+      pl.when(wg == 1)(schedule_barrier)
 
-  def end_turns():
-    pl.when(wg == 0)(schedule_barrier)  # consumer 0's matching barrier
+  def end_turns(i):
+    if config.early_turn_arrivals:
+      pl.when(wg == 0)(lambda: plgpu.barrier_arrive(schedule))
+      pl.when((wg == 1) & (i + 1 < my_items))(lambda: plgpu.barrier_arrive(schedule))
+    else:
+      pl.when(wg == 0)(schedule_barrier)
 
   def when_kind(item: _Item, for_cands, for_users):
     """Runs the candidate or the user variant of a step, by the item's kind."""
@@ -241,7 +253,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
       def _():
         plgpu.barrier_wait(k_ready.at[slot_of(0)])
 
-      start_turns()
+      start_turns(i)
 
       def kv_step_body(step, carry, masked: bool):
         acc, m_i, l_i = carry
@@ -294,7 +306,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
                             (acc, m_i, l_i))
       acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps,
                                     functools.partial(kv_step_body, masked=True), carry)
-      end_turns()
+      end_turns(i)
 
       # A user with no valid key has l == 0: write zeros rather than 0/0.
       l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
@@ -326,7 +338,11 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
       return first_step + kv_steps
 
     load_queries(0)  # every program has at least one item
+    if config.early_turn_arrivals:
+      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(schedule))  # for the first item
     lax.fori_loop(0, my_items, item_body, jnp.int32(0))
+    if config.early_turn_arrivals:
+      pl.when(wg == 0)(lambda: plgpu.barrier_wait(schedule))  # the last item's
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == NUM_CONSUMERS)
