@@ -57,7 +57,7 @@ class Config:
   # the next item's K/V during this item's epilogue), or one CTA per item.
   # Persistent measured faster at every S on the H200 (0.269 vs 0.287 ms at S=1024).
   persistent: bool = True
-  early_turn_arrivals: bool = False  # see `start_turns` in the kernel
+  early_turn_arrivals: bool = True  # see `start_turns` in the kernel
 
   def __post_init__(self):
     if self.block_kv % 64:
