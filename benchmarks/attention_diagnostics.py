@@ -24,7 +24,6 @@ from ikbo_jax.ops import target_attention_mosaic
 
 CONFIGS = {
     "default": kernel.Config(),
-    "early_turn_arrivals": kernel.Config(early_turn_arrivals=True),
     "block_kv=64,steps=4": kernel.Config(block_kv=64, max_concurrent_steps=4),
 }
 

@@ -57,7 +57,6 @@ class Config:
   # the next item's K/V during this item's epilogue), or one CTA per item.
   # Persistent measured faster at every S on the H200 (0.269 vs 0.287 ms at S=1024).
   persistent: bool = True
-  early_turn_arrivals: bool = True  # see `start_turns` in the kernel
 
   def __post_init__(self):
     if self.block_kv % 64:
@@ -166,25 +165,19 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
 
   # The consumers' turns restart at every item: consumer 1 starts half a step
   # behind consumer 0 (one barrier phase), and consumer 0 ends with one extra
-  # phase to match. (Keeping the turns going across items measured 1.5-4.6%
-  # slower on the H200 at S=512 and 1024: consumer 1's last P @ V then waits
-  # for consumer 0's epilogue.) With `early_turn_arrivals`, each consumer
-  # arrives for those two phases as soon as its last P @ V is done and waits
-  # for them only at the next item's start, so neither waits for the other's
-  # epilogue.
+  # phase to match. Each consumer arrives for those two phases as soon as its
+  # last P @ V is done and waits for them only at the next item's start, so
+  # neither waits for the other's epilogue (H200: same bits, 0-2% faster than
+  # a full barrier at each end). Keeping the turns going across items instead
+  # measured 1.5-4.6% slower at S=512 and 1024: consumer 1's last P @ V then
+  # waits for consumer 0's epilogue.
   def start_turns(i):
-    if config.early_turn_arrivals:
-      pl.when(wg == 1)(lambda: plgpu.barrier_wait(schedule))
-      pl.when((wg == 0) & (i > 0))(lambda: plgpu.barrier_wait(schedule))
-    else:
-      pl.when(wg == 1)(schedule_barrier)
+    pl.when(wg == 1)(lambda: plgpu.barrier_wait(schedule))
+    pl.when((wg == 0) & (i > 0))(lambda: plgpu.barrier_wait(schedule))
 
   def end_turns(i):
-    if config.early_turn_arrivals:
-      pl.when(wg == 0)(lambda: plgpu.barrier_arrive(schedule))
-      pl.when((wg == 1) & (i + 1 < my_items))(lambda: plgpu.barrier_arrive(schedule))
-    else:
-      pl.when(wg == 0)(schedule_barrier)
+    pl.when(wg == 0)(lambda: plgpu.barrier_arrive(schedule))
+    pl.when((wg == 1) & (i + 1 < my_items))(lambda: plgpu.barrier_arrive(schedule))
 
   def when_kind(item: _Item, for_cands, for_users):
     """Runs the candidate or the user variant of a step, by the item's kind."""
@@ -338,11 +331,9 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
       return first_step + kv_steps
 
     load_queries(0)  # every program has at least one item
-    if config.early_turn_arrivals:
-      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(schedule))  # for the first item
+    pl.when(wg == 1)(lambda: plgpu.barrier_arrive(schedule))  # the first item's start
     lax.fori_loop(0, my_items, item_body, jnp.int32(0))
-    if config.early_turn_arrivals:
-      pl.when(wg == 0)(lambda: plgpu.barrier_wait(schedule))  # the last item's
+    pl.when(wg == 0)(lambda: plgpu.barrier_wait(schedule))  # the last item's end
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == NUM_CONSUMERS)
