@@ -18,15 +18,13 @@ against two `nnx.MultiHeadAttention` calls on the materialized broadcast.
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from benchmarks import common
-from benchmarks.target_attention import PUBLISHED, SMALL, cudnn
+from benchmarks.target_attention import cudnn, sweep_parser, sweep_setup
 from ikbo_jax import CandidateIndex, self_target_attention, target_attention
 from ikbo_jax.nn import UserSequenceBlock
 
@@ -157,19 +155,11 @@ def run(shape, seq_len, dtype, iterations, on_gpu, with_backward, with_block, ce
 
 
 def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--out", required=True)
-  parser.add_argument("--small", action="store_true", help="tiny shapes, any backend")
-  parser.add_argument("--iterations", type=int, default=20)
-  parser.add_argument("--seq-lens", type=int, nargs="*", default=SEQ_LENS)
-  parser.add_argument("--backward-seq-lens", type=int, nargs="*", default=(1024, 2048))
+  parser = sweep_parser(SEQ_LENS)
   parser.add_argument("--block-seq-lens", type=int, nargs="*", default=(1024,))
   args = parser.parse_args()
-  on_gpu = jax.default_backend() == "gpu"
-  dtype = jnp.bfloat16 if on_gpu else jnp.float32
-  shape = SMALL if args.small else PUBLISHED
+  on_gpu, dtype, shape, ceilings = sweep_setup(args.small)
   seq_lens = [32] if args.small else args.seq_lens
-  ceilings = common.measure_ceilings()
   payload = dict(**common.metadata(), dtype=jnp.dtype(dtype).name, shape=shape, ceilings=ceilings,
                  flops="4*U*H*S*S*D (causal: S*(S+1)/2 pairs) + 4*B*H*n_seed*S*D",
                  fwd_bwd_flops="2.5x forward", bytes="fewest (see _cost)", sweep={})

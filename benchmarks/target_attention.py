@@ -143,18 +143,27 @@ def run(seq_len, shape, dtype, iterations, on_gpu, with_backward, ceilings):
   return rows
 
 
-def main():
+def sweep_parser(seq_lens) -> argparse.ArgumentParser:
+  """The command line shared by the attention sweeps."""
   parser = argparse.ArgumentParser()
   parser.add_argument("--out", required=True)
   parser.add_argument("--small", action="store_true", help="tiny shapes, any backend")
   parser.add_argument("--iterations", type=int, default=20)
-  parser.add_argument("--seq-lens", type=int, nargs="*", default=SEQ_LENS)
+  parser.add_argument("--seq-lens", type=int, nargs="*", default=seq_lens)
   parser.add_argument("--backward-seq-lens", type=int, nargs="*", default=(1024, 2048))
-  args = parser.parse_args()
+  return parser
+
+
+def sweep_setup(small: bool):
+  """`(on_gpu, dtype, shape, ceilings)`: bf16 at the published shape on a GPU, else float32."""
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
-  shape = SMALL if args.small else PUBLISHED
-  ceilings = common.measure_ceilings()
+  return on_gpu, dtype, SMALL if small else PUBLISHED, common.measure_ceilings()
+
+
+def main():
+  args = sweep_parser(SEQ_LENS).parse_args()
+  on_gpu, dtype, shape, ceilings = sweep_setup(args.small)
   payload = dict(**common.metadata(), dtype=jnp.dtype(dtype).name, shape=shape, ceilings=ceilings,
                  flops_per_forward="4*B*H*n_seed*S*D", fwd_bwd_flops="2.5x forward",
                  bytes="fewest: q, k, v read and out written once (fwd_bwd: q, d_out, dq, k, v, "
