@@ -3,7 +3,7 @@
 # then GPU tests, the demo and diagnostics. Results go to $OUT.
 # Set IKBO_COMMIT (the device copy has no .git). STEPS picks what runs, by default
 # "lc attention self_target tests demo diagnostics"; also "attention_tests" (the attention GPU
-# tests only) and "attention_diagnostics". BENCH_ARGS=--no-sweeps shortens the lc step.
+# tests only), "attention_diagnostics" and "attention_profile". BENCH_ARGS=--no-sweeps shortens the lc step.
 set -uo pipefail
 OUT=${OUT:-/tmp/ikbo_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -39,6 +39,10 @@ fi
 if has attention_diagnostics; then
   timeout 240 python3 -m benchmarks.attention_diagnostics \
     --out "$OUT/attention_diagnostics_h200.json" 2>&1 | grep "^S " | cut -c1-900
+fi
+if has attention_profile; then
+  timeout 200 python3 -m benchmarks.attention_profile --out "$OUT/attention_profile_h200.json" \
+    2>&1 | grep "^S " | cut -c1-3000
 fi
 if has demo; then
   timeout 60 python3 -m ikbo_jax.demo > "$OUT/demo.log" 2>&1; tail -n 5 "$OUT/demo.log"

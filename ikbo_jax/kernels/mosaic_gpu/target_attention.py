@@ -57,6 +57,10 @@ class Config:
   # the next item's K/V during this item's epilogue), or one CTA per item.
   # Persistent measured faster at every S on the H200 (0.269 vs 0.287 ms at S=1024).
   persistent: bool = True
+  # Diagnostics: write a Mosaic GPU profiler trace of the consumers' named
+  # phases (item_start, qk and its turn, softmax, pv_wait, pv, epilogue) to this directory.
+  # Each phase boundary stores a clock reading, which slows the kernel slightly.
+  profile_dir: str = ""
 
   def __post_init__(self):
     if self.block_kv % 64:
@@ -231,9 +235,6 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           load_queries(i + 1)
 
-      plgpu.barrier_wait(q_ready.at[buf * NUM_CONSUMERS + wg])
-      pl.when(kv_steps == 0)(prefetch_next_queries)
-
       rows = (BLOCK_ROWS,)
       m_i = plgpu.layout_cast(jnp.full(rows, -jnp.inf, jnp.float32),
                               plgpu.Layout.WGMMA.reduce(1))
@@ -242,11 +243,15 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
                               plgpu.Layout.WGMMA)
       slot_of = lambda step: lax.rem(first_step + step, stages)
 
-      @pl.when(kv_steps > 0)
-      def _():
-        plgpu.barrier_wait(k_ready.at[slot_of(0)])
+      with jax.named_scope("item_start"):
+        plgpu.barrier_wait(q_ready.at[buf * NUM_CONSUMERS + wg])
+        pl.when(kv_steps == 0)(prefetch_next_queries)
 
-      start_turns(i)
+        @pl.when(kv_steps > 0)
+        def _():
+          plgpu.barrier_wait(k_ready.at[slot_of(0)])
+
+        start_turns(i)
 
       def kv_step_body(step, carry, masked: bool):
         acc, m_i, l_i = carry
@@ -257,41 +262,47 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           # While the tensor cores work. (Waiting a step longer for the previous
           # item's stores measured no faster on the H200.)
           pl.when(step == 0)(prefetch_next_queries)
-          schedule_barrier()
+          with jax.named_scope("turn"):
+            schedule_barrier()
           return acc_ref[...]
 
-        logits = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, block_kv), jnp.float32))
-        plgpu.barrier_arrive(k_consumed.at[slot])
-        if masked:
-          key = plgpu.broadcasted_iota(jnp.int32, logits.shape, 1, layout=plgpu.Layout.WGMMA)
-          key += step * block_kv
-          keep = key < kv_len
-          if causal:
-            row = plgpu.broadcasted_iota(jnp.int32, logits.shape, 0, layout=plgpu.Layout.WGMMA)
-            keep &= key <= row + jnp.where(item.is_user, user_rows, _NO_LIMIT)
-          logits = jnp.where(keep, logits, -jnp.inf)
+        with jax.named_scope("qk"):
+          logits = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, block_kv), jnp.float32))
+          plgpu.barrier_arrive(k_consumed.at[slot])
+        with jax.named_scope("softmax"):
+          if masked:
+            key = plgpu.broadcasted_iota(jnp.int32, logits.shape, 1, layout=plgpu.Layout.WGMMA)
+            key += step * block_kv
+            keep = key < kv_len
+            if causal:
+              row = plgpu.broadcasted_iota(jnp.int32, logits.shape, 0,
+                                           layout=plgpu.Layout.WGMMA)
+              keep &= key <= row + jnp.where(item.is_user, user_rows, _NO_LIMIT)
+            logits = jnp.where(keep, logits, -jnp.inf)
 
-        # Base-2 online softmax; m_i is kept in units of log2 so `p` is one FMA + exp2.
-        m_new = jnp.maximum(m_i, logits.max(axis=1) * (scale * _LOG2E))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(logits * (scale * _LOG2E) - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l_i = l_i * alpha + p.sum(axis=1)
-        p16 = p.astype(dtype)
-        # Keep the softmax ahead of the barriers below (the compiler would
-        # otherwise sink it past them and serialize the two consumers).
-        acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-        plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(v_ready.at[slot])
-        plgpu.barrier_wait(schedule)
+          # Base-2 online softmax; m_i is kept in units of log2 so `p` is one FMA + exp2.
+          m_new = jnp.maximum(m_i, logits.max(axis=1) * (scale * _LOG2E))
+          alpha = jnp.exp2(m_i - m_new)
+          p = jnp.exp2(logits * (scale * _LOG2E) - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+          acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+          l_i = l_i * alpha + p.sum(axis=1)
+          p16 = p.astype(dtype)
+          # Keep the softmax ahead of the barriers below (the compiler would
+          # otherwise sink it past them and serialize the two consumers).
+          acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+        with jax.named_scope("pv_wait"):
+          plgpu.barrier_arrive(schedule)
+          plgpu.barrier_wait(v_ready.at[slot])
+          plgpu.barrier_wait(schedule)
 
         def wait_next_k():
           @pl.when(step + 1 < kv_steps)
           def _():
             plgpu.barrier_wait(k_ready.at[slot_of(step + 1)])
 
-        acc = _accumulate_pv(acc, p16, v_smem.at[slot], then=wait_next_k, interpret=interpret)
-        plgpu.barrier_arrive(v_consumed.at[slot])
+        with jax.named_scope("pv"):
+          acc = _accumulate_pv(acc, p16, v_smem.at[slot], then=wait_next_k, interpret=interpret)
+          plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_new, l_i
 
       full_steps = item.full_steps
@@ -299,35 +310,36 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
                             (acc, m_i, l_i))
       acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps,
                                     functools.partial(kv_step_body, masked=True), carry)
-      end_turns(i)
+      with jax.named_scope("epilogue"):
+        end_turns(i)
 
-      # A user with no valid key has l == 0: write zeros rather than 0/0.
-      l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
-      acc /= lax.broadcast_in_dim(l_safe, acc.shape, [0])
-      if q_user_ref is not None:
-        # User query rows past the user's length are padding: zeros, as in the reference.
-        row = plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=plgpu.Layout.WGMMA)
-        acc = jnp.where(row + user_rows < jnp.where(item.is_user, kv_len, _NO_LIMIT), acc, 0.0)
-      qo_smem[...] = acc.astype(dtype)
-      if lse_ref is not None:
-        lse_smem[...] = (m_i + jnp.log2(l_i)) / _LOG2E
-      plgpu.commit_smem()
+        # A user with no valid key has l == 0: write zeros rather than 0/0.
+        l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
+        acc /= lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        if q_user_ref is not None:
+          # User query rows past the user's length are padding: zeros, as in the reference.
+          row = plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=plgpu.Layout.WGMMA)
+          acc = jnp.where(row + user_rows < jnp.where(item.is_user, kv_len, _NO_LIMIT), acc, 0.0)
+        qo_smem[...] = acc.astype(dtype)
+        if lse_ref is not None:
+          lse_smem[...] = (m_i + jnp.log2(l_i)) / _LOG2E
+        plgpu.commit_smem()
 
-      def store_cands():
-        num_valid = num_valid_ref[tile, wg]
-        for j, (slot, at) in enumerate(zip(slots, cand_rows)):
-          @pl.when(j < num_valid)
-          def _store():
-            plgpu.copy_smem_to_gmem(qo_smem.at[slot], out_ref.at[at])
-            if lse_ref is not None:
-              plgpu.copy_smem_to_gmem(lse_smem.at[slot],
-                                      lse_ref.at[at[0], head, pl.ds(row_start, slot_rows)])
+        def store_cands():
+          num_valid = num_valid_ref[tile, wg]
+          for j, (slot, at) in enumerate(zip(slots, cand_rows)):
+            @pl.when(j < num_valid)
+            def _store():
+              plgpu.copy_smem_to_gmem(qo_smem.at[slot], out_ref.at[at])
+              if lse_ref is not None:
+                plgpu.copy_smem_to_gmem(lse_smem.at[slot],
+                                        lse_ref.at[at[0], head, pl.ds(row_start, slot_rows)])
 
-      def store_own_rows():
-        for slot, at in zip(slots, own_rows):
-          plgpu.copy_smem_to_gmem(qo_smem.at[slot], out_user_ref.at[at])
+        def store_own_rows():
+          for slot, at in zip(slots, own_rows):
+            plgpu.copy_smem_to_gmem(qo_smem.at[slot], out_user_ref.at[at])
 
-      when_kind(item, store_cands, store_own_rows)
+        when_kind(item, store_cands, store_own_rows)
       return first_step + kv_steps
 
     load_queries(0)  # every program has at least one item
@@ -371,6 +383,13 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         slot = lax.rem(total_steps - back, stages)
         plgpu.barrier_wait(k_consumed.at[slot])
         plgpu.barrier_wait(v_consumed.at[slot])
+
+
+def _profile_params(config: Config) -> dict:
+  if not config.profile_dir:
+    return {}
+  # Enough ranges for the first items of each consumer; later events are dropped.
+  return dict(profile_space=512, profile_dir=config.profile_dir, profile_bounds_check=True)
 
 
 def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: bool,
@@ -455,7 +474,7 @@ def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: 
       grid_names=("programs",),
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=plgpu.CompilerParams(approx_math=True, **_profile_params(config)),
       interpret=interpret_params(interpret),
       kernel_name=("ikbo_self_target_attention_mosaic_gpu" if has_self
                    else "ikbo_target_attention_mosaic_gpu"),
