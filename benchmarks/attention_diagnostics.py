@@ -24,7 +24,7 @@ from ikbo_jax.ops import target_attention_mosaic
 
 CONFIGS = {
     "default": kernel.Config(),
-    "block_kv=64,steps=4": kernel.Config(block_kv=64, max_concurrent_steps=4),
+    "ping_pong": kernel.Config(overlap_softmax=False),
 }
 
 

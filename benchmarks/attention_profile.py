@@ -2,9 +2,9 @@
 
     python -m benchmarks.attention_profile --out profile.json
 
-Runs the kernel with `Config(profile_dir=...)`, which records clock readings at
-the consumers' named phases (item_start, qk and the turn wait inside it,
-softmax, pv_wait, pv, epilogue), and summarises the trace per consumer
+Runs the kernel in each of the diagnostics' configs with `profile_dir` set, which records clock readings at
+the consumers' named phases (item_start, turn, softmax, epilogue, and qk,
+pv_wait, pv for the ping-pong schedule or gemms for the overlapped one), and summarises the trace per consumer
 warpgroup: cycles per work item, per phase per item, and outside any phase.
 The clock stores perturb the kernel by a few percent: compare phases with
 each other, not with unprofiled times.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import json
 import os
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common
+from benchmarks.attention_diagnostics import CONFIGS
 from benchmarks.self_target_attention import _inputs
 from benchmarks.target_attention import PUBLISHED
 from ikbo_jax.kernels.mosaic_gpu import target_attention as kernel
@@ -66,7 +68,7 @@ def summarize(trace: dict) -> dict:
       for a, b in zip(begins[WARMUP_ITEMS:], begins[WARMUP_ITEMS + 1:]):
         inside = [r for r in ranges if a <= r[1] < b]
         item_cycles.append(b - a)
-        steps.append(sum(1 for r in inside if r[0] == "qk"))
+        steps.append(sum(1 for r in inside if r[0] == "softmax"))
         totals = collections.Counter()
         for name, begin, end, _ in inside:
           totals[name] += end - begin
@@ -109,10 +111,10 @@ def profile(fn, operands, profile_dir: str) -> dict:
     return summarize(json.load(f))
 
 
-def run(seq_len: int, profile_dir: str, shape=PUBLISHED) -> dict:
+def run(seq_len: int, profile_dir: str, config: kernel.Config, shape=PUBLISHED) -> dict:
   (q_user, q_cand, k, v), index, _ = _inputs(shape, seq_len, jnp.bfloat16)
   kv_len = jnp.full(k.shape[0], seq_len, jnp.int32)
-  config = kernel.Config(profile_dir=profile_dir)
+  config = dataclasses.replace(config, profile_dir=profile_dir)
   common_args = dict(scale=1 / np.sqrt(k.shape[-1]), save_lse=False, config=config)
 
   def target(q, k, v, index):
@@ -131,14 +133,15 @@ def main():
   parser.add_argument("--out", required=True)
   parser.add_argument("--seq-lens", type=int, nargs="*", default=(1024, 4096))
   args = parser.parse_args()
-  payload = dict(**common.metadata(), shape=PUBLISHED, rows={})
+  payload = dict(**common.metadata(), shape=PUBLISHED, configs=list(CONFIGS), rows={})
   with tempfile.TemporaryDirectory() as profile_dir:
     for seq_len in args.seq_lens:
-      payload["rows"][seq_len] = run(seq_len, profile_dir)
-      brief = {kind: {k: v for k, v in summary.items() if k != "timeline"}
-               for kind, summary in payload["rows"][seq_len].items()}
-      print("S", seq_len, json.dumps(brief), flush=True)
-      common.write_json(args.out, payload)
+      for name, config in CONFIGS.items():
+        row = payload["rows"].setdefault(seq_len, {})[name] = run(seq_len, profile_dir, config)
+        brief = {kind: {k: v for k, v in summary.items() if k != "timeline"}
+                 for kind, summary in row.items()}
+        print("S", seq_len, name, json.dumps(brief), flush=True)
+        common.write_json(args.out, payload)
 
 
 if __name__ == "__main__":

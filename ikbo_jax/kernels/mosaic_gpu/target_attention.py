@@ -57,8 +57,12 @@ class Config:
   # the next item's K/V during this item's epilogue), or one CTA per item.
   # Persistent measured faster at every S on the H200 (0.269 vs 0.287 ms at S=1024).
   persistent: bool = True
+  # Each consumer issues the next block's Q K^T before its softmax and that
+  # softmax runs while its previous P V is on the tensor cores (FlashAttention-3
+  # intra-warpgroup overlap), on top of the consumers taking turns.
+  overlap_softmax: bool = True
   # Diagnostics: write a Mosaic GPU profiler trace of the consumers' named
-  # phases (item_start, qk and its turn, softmax, pv_wait, pv, epilogue) to this directory.
+  # phases (item_start, turn, softmax, gemms or qk/pv_wait/pv, epilogue) to this directory.
   # Each phase boundary stores a clock reading, which slows the kernel slightly.
   profile_dir: str = ""
 
@@ -111,6 +115,42 @@ def _accumulate_pv(acc, p, v_smem, *, then, interpret: bool):
     then()
 
   return pl.run_state(issue)(plgpu.ACC.init(acc))
+
+
+def _overlapped_gemms(o, p, *, q_smem, k_smem, v_smem, issued, on_logits, interpret: bool):
+  """`on_logits(q @ k^T)` computed while `o + p @ v` runs: `(on_logits(...), o + p @ v)`.
+
+  Either product may be left out (`k_smem` or `v_smem` None); `issued()` runs
+  once both are issued. On the GPU both WGMMAs are in flight together and the
+  logits are read as soon as the first one is done. The interpreter takes
+  WGMMA operands from shared memory only, so there they are plain dots.
+  """
+  if interpret:
+    issued()
+    logits = None
+    if k_smem is not None:
+      logits = on_logits(jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32))
+    if v_smem is not None:
+      o = o + jnp.dot(p, v_smem[...], preferred_element_type=jnp.float32)
+    return logits, o
+
+  def body(s_ref, o_ref):
+    if k_smem is not None:
+      plgpu.wgmma(s_ref, q_smem, k_smem.T)
+    if v_smem is not None:
+      o_ref[...] = o
+      plgpu.wgmma(o_ref, p, v_smem)
+    issued()
+    result = None
+    if k_smem is not None:
+      # The WGMMAs complete in order: leaving one in flight leaves P V.
+      result = on_logits(plgpu.wgmma_accumulator_load(s_ref, wait_n=int(v_smem is not None)))
+    new_o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0) if v_smem is not None else o
+    return result, new_o
+
+  block_kv = (k_smem if k_smem is not None else v_smem).shape[0]
+  return pl.run_scoped(body, plgpu.ACC((q_smem.shape[0], block_kv), jnp.float32),
+                       plgpu.ACC(o.shape, jnp.float32))
 
 
 def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
@@ -246,14 +286,34 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
       with jax.named_scope("item_start"):
         plgpu.barrier_wait(q_ready.at[buf * NUM_CONSUMERS + wg])
         pl.when(kv_steps == 0)(prefetch_next_queries)
+        if not config.overlap_softmax:
+          @pl.when(kv_steps > 0)
+          def _():
+            plgpu.barrier_wait(k_ready.at[slot_of(0)])
 
-        @pl.when(kv_steps > 0)
-        def _():
-          plgpu.barrier_wait(k_ready.at[slot_of(0)])
+          start_turns(i)
 
-        start_turns(i)
+      def online_softmax(logits, m_i, l_i, step, masked: bool):
+        """Folds K/V block `step`'s logits into the running max and sum: `(p, m, l, alpha)`."""
+        if masked:
+          key = plgpu.broadcasted_iota(jnp.int32, logits.shape, 1, layout=plgpu.Layout.WGMMA)
+          key += step * block_kv
+          keep = key < kv_len
+          if causal:
+            row = plgpu.broadcasted_iota(jnp.int32, logits.shape, 0, layout=plgpu.Layout.WGMMA)
+            keep &= key <= row + jnp.where(item.is_user, user_rows, _NO_LIMIT)
+          logits = jnp.where(keep, logits, -jnp.inf)
+        # Base-2 online softmax; m_i is kept in units of log2 so `p` is one FMA + exp2.
+        m_new = jnp.maximum(m_i, logits.max(axis=1) * (scale * _LOG2E))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(logits * (scale * _LOG2E) - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+        l_i = l_i * alpha + p.sum(axis=1)
+        return p.astype(dtype), m_new, l_i, alpha
 
-      def kv_step_body(step, carry, masked: bool):
+      def rescale(acc, alpha):
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+      def ping_pong_step(step, carry, masked: bool):
         acc, m_i, l_i = carry
         slot = slot_of(step)
 
@@ -270,23 +330,8 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           logits = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, block_kv), jnp.float32))
           plgpu.barrier_arrive(k_consumed.at[slot])
         with jax.named_scope("softmax"):
-          if masked:
-            key = plgpu.broadcasted_iota(jnp.int32, logits.shape, 1, layout=plgpu.Layout.WGMMA)
-            key += step * block_kv
-            keep = key < kv_len
-            if causal:
-              row = plgpu.broadcasted_iota(jnp.int32, logits.shape, 0,
-                                           layout=plgpu.Layout.WGMMA)
-              keep &= key <= row + jnp.where(item.is_user, user_rows, _NO_LIMIT)
-            logits = jnp.where(keep, logits, -jnp.inf)
-
-          # Base-2 online softmax; m_i is kept in units of log2 so `p` is one FMA + exp2.
-          m_new = jnp.maximum(m_i, logits.max(axis=1) * (scale * _LOG2E))
-          alpha = jnp.exp2(m_i - m_new)
-          p = jnp.exp2(logits * (scale * _LOG2E) - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-          acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-          l_i = l_i * alpha + p.sum(axis=1)
-          p16 = p.astype(dtype)
+          p16, m_new, l_i, alpha = online_softmax(logits, m_i, l_i, step, masked)
+          acc = rescale(acc, alpha)
           # Keep the softmax ahead of the barriers below (the compiler would
           # otherwise sink it past them and serialize the two consumers).
           acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
@@ -305,13 +350,78 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_new, l_i
 
+      def gemm_turn(qk_step, pv_step, p, acc, m_i, l_i, masked: bool, then=lambda: None):
+        """This consumer's turn on the tensor cores: `Q K^T` of `qk_step`, `P V` of `pv_step`.
+
+        Returns the softmax of `qk_step`'s logits (computed while `P V` runs)
+        and `acc + P V`. Either step may be None. `then()` runs once both are issued.
+        """
+        with jax.named_scope("turn"):
+          if qk_step is not None:
+            plgpu.barrier_wait(k_ready.at[slot_of(qk_step)])
+          if pv_step is not None:
+            plgpu.barrier_wait(v_ready.at[slot_of(pv_step)])
+          plgpu.barrier_wait(schedule.at[wg])
+
+        def issued():
+          plgpu.barrier_arrive(schedule.at[lax.rem(wg + 1, NUM_CONSUMERS)])
+          then()
+
+        def on_logits(logits):
+          plgpu.barrier_arrive(k_consumed.at[slot_of(qk_step)])
+          with jax.named_scope("softmax"):
+            # Ahead of the wait for P V, which the compiler would otherwise sink it past.
+            return lax.optimization_barrier(online_softmax(logits, m_i, l_i, qk_step, masked))
+
+        with jax.named_scope("gemms"):
+          result, acc = _overlapped_gemms(
+              acc, p, q_smem=qo_smem,
+              k_smem=None if qk_step is None else k_smem.at[slot_of(qk_step)],
+              v_smem=None if pv_step is None else v_smem.at[slot_of(pv_step)],
+              issued=issued, on_logits=on_logits, interpret=interpret)
+        if pv_step is not None:
+          plgpu.barrier_arrive(v_consumed.at[slot_of(pv_step)])
+        return result, acc
+
+      def first_turn(_, carry):
+        acc, m_i, l_i, _ = carry
+        (p, m_i, l_i, _), acc = gemm_turn(0, None, None, acc, m_i, l_i, masked=True,
+                                          then=prefetch_next_queries)
+        return acc, m_i, l_i, p
+
+      def overlapped_step(step, carry, masked: bool):
+        acc, m_i, l_i, p = carry
+        (p_next, m_i, l_i, alpha), acc = gemm_turn(step, step - 1, p, acc, m_i, l_i, masked)
+        return rescale(acc, alpha), m_i, l_i, p_next
+
+      def last_turn(_, carry):
+        acc, m_i, l_i, p = carry
+        _, acc = gemm_turn(None, kv_steps - 1, p, acc, m_i, l_i, masked=False)
+        return acc, m_i, l_i, p
+
       full_steps = item.full_steps
-      carry = lax.fori_loop(0, full_steps, functools.partial(kv_step_body, masked=False),
-                            (acc, m_i, l_i))
-      acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps,
-                                    functools.partial(kv_step_body, masked=True), carry)
+      if config.overlap_softmax:
+        # Block 0's Q K^T has no P V to overlap and the last P V no Q K^T: a
+        # first and a last turn around the steady steps, each run once unless
+        # the item reads no K/V at all.
+        p = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, block_kv), dtype), plgpu.Layout.WGMMA)
+        any_steps = jnp.minimum(kv_steps, 1)
+        carry = lax.fori_loop(0, any_steps, first_turn, (acc, m_i, l_i, p))
+        # The first turn masks block 0, whatever full_steps says.
+        unmasked_end = jnp.maximum(full_steps, 1)
+        carry = lax.fori_loop(1, unmasked_end, functools.partial(overlapped_step, masked=False),
+                              carry)
+        carry = lax.fori_loop(unmasked_end, kv_steps,
+                              functools.partial(overlapped_step, masked=True), carry)
+        acc, m_i, l_i, _ = lax.fori_loop(0, any_steps, last_turn, carry)
+      else:
+        carry = lax.fori_loop(0, full_steps, functools.partial(ping_pong_step, masked=False),
+                              (acc, m_i, l_i))
+        acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps,
+                                      functools.partial(ping_pong_step, masked=True), carry)
       with jax.named_scope("epilogue"):
-        end_turns(i)
+        if not config.overlap_softmax:
+          end_turns(i)
 
         # A user with no valid key has l == 0: write zeros rather than 0/0.
         l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
@@ -343,9 +453,17 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
       return first_step + kv_steps
 
     load_queries(0)  # every program has at least one item
-    pl.when(wg == 1)(lambda: plgpu.barrier_arrive(schedule))  # the first item's start
-    lax.fori_loop(0, my_items, item_body, jnp.int32(0))
-    pl.when(wg == 0)(lambda: plgpu.barrier_wait(schedule))  # the last item's end
+    if config.overlap_softmax:
+      # The turns go round the consumers without a break across items: the last
+      # consumer's arrival opens consumer 0's first turn, and consumer 0 takes
+      # the arrival that would open its turn after the last.
+      pl.when(wg == NUM_CONSUMERS - 1)(lambda: plgpu.barrier_arrive(schedule.at[0]))
+      lax.fori_loop(0, my_items, item_body, jnp.int32(0))
+      pl.when(wg == 0)(lambda: plgpu.barrier_wait(schedule.at[0]))
+    else:
+      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(schedule))  # the first item's start
+      lax.fori_loop(0, my_items, item_body, jnp.int32(0))
+      pl.when(wg == 0)(lambda: plgpu.barrier_wait(schedule))  # the last item's end
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == NUM_CONSUMERS)
@@ -363,13 +481,12 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         pipeline_step = first_step + step
         slot = lax.rem(pipeline_step, stages)
 
-        @pl.when(pipeline_step >= stages)
-        def _():
-          plgpu.barrier_wait(k_consumed.at[slot])
-          plgpu.barrier_wait(v_consumed.at[slot])
-
         kv_block = (user, pl.ds(step * block_kv, block_kv), head)
+        # K and V slots free up separately: with the softmax overlapped, a
+        # block's K is done a whole step before its V.
+        pl.when(pipeline_step >= stages)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
         plgpu.copy_gmem_to_smem(k_ref.at[kv_block], k_smem.at[slot], k_ready.at[slot])
+        pl.when(pipeline_step >= stages)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
         plgpu.copy_gmem_to_smem(v_ref.at[kv_block], v_smem.at[slot], v_ready.at[slot])
 
       return first_step + kv_steps
@@ -453,7 +570,10 @@ def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: 
          plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_arrivals=tiles.cands_per_block, num_barriers=2 * NUM_CONSUMERS)),
         (plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),) * 2,
-        plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+        # The consumers' turns on the tensor cores: one barrier per consumer
+        # (its turn), or one that both pass together at each half step.
+        (plgpu.Barrier(num_arrivals=1, num_barriers=NUM_CONSUMERS) if config.overlap_softmax
+         else plgpu.Barrier(num_arrivals=NUM_CONSUMERS)),
         collective_axes="wg",
     )
 
