@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call: benchmarks first (the numbers that matter most if the call is cut short),
-# then GPU tests, the demo and diagnostics. Results go to $OUT.
+# One device call: benchmarks and attention diagnostics first (the numbers that matter most if
+# the call is cut short), then GPU tests, the demo and the linear-compression diagnostics. Results go to $OUT.
 # Set IKBO_COMMIT (the device copy has no .git). STEPS picks what runs, by default
 # "lc attention self_target tests demo diagnostics"; also "attention_tests" (the attention GPU
 # tests only), "attention_diagnostics" and "attention_profile". BENCH_ARGS=--no-sweeps shortens the lc step.
@@ -25,6 +25,14 @@ if has self_target; then
     --out "$OUT/self_target_attention_h200.json" > "$OUT/self_target_bench.log" 2>&1
   tail -n 4 "$OUT/self_target_bench.log" | cut -c1-1500
 fi
+if has attention_diagnostics; then
+  timeout 180 python3 -m benchmarks.attention_diagnostics \
+    --out "$OUT/attention_diagnostics_h200.json" 2>&1 | grep "^S " | cut -c1-900
+fi
+if has attention_profile; then
+  timeout 200 python3 -m benchmarks.attention_profile --out "$OUT/attention_profile_h200.json" \
+    2>&1 | grep "^S " | cut -c1-3000
+fi
 if has tests; then
   timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -q -p no:cacheprovider tests -m gpu -rA 2>&1 \
     | tail -n 60 > "$OUT/gpu_tests.log"
@@ -35,14 +43,6 @@ if has attention_tests; then
     tests/test_target_attention.py tests/test_target_attention_mosaic.py \
     tests/test_self_target_attention.py 2>&1 | tail -n 30 > "$OUT/gpu_tests_attention.log"
   tail -n 4 "$OUT/gpu_tests_attention.log"
-fi
-if has attention_diagnostics; then
-  timeout 240 python3 -m benchmarks.attention_diagnostics \
-    --out "$OUT/attention_diagnostics_h200.json" 2>&1 | grep "^S " | cut -c1-900
-fi
-if has attention_profile; then
-  timeout 200 python3 -m benchmarks.attention_profile --out "$OUT/attention_profile_h200.json" \
-    2>&1 | grep "^S " | cut -c1-3000
 fi
 if has demo; then
   timeout 60 python3 -m ikbo_jax.demo > "$OUT/demo.log" 2>&1; tail -n 5 "$OUT/demo.log"
