@@ -45,8 +45,9 @@ from ikbo_jax.kernels.mosaic_gpu.common import (
 from ikbo_jax.query_tiles import QueryTiles
 
 BLOCK_ROWS = 64  # query rows per consumer: one WGMMA M extent
+# The register file (64K) over one thread of each warpgroup (128 threads each).
+_REGISTERS_PER_THREAD = 65536 // 128
 _LOG2E = math.log2(math.e)
-_CONSUMER_REGISTERS = 232
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,9 @@ class Config:
   # softmax runs while its previous P V is on the tensor cores (FlashAttention-3
   # intra-warpgroup overlap), on top of the consumers taking turns.
   overlap_softmax: bool = True
+  # Registers per consumer thread; the producer gets what is left of the
+  # 64K-register file for three warpgroups (at least 24).
+  consumer_registers: int = 232
   # Diagnostics: write a Mosaic GPU profiler trace of the consumers' named
   # phases (item_start, turn, softmax, gemms or qk/pv_wait/pv, epilogue) to this directory.
   # Each phase boundary stores a clock reading, which slows the kernel slightly.
@@ -117,40 +121,50 @@ def _accumulate_pv(acc, p, v_smem, *, then, interpret: bool):
   return pl.run_state(issue)(plgpu.ACC.init(acc))
 
 
-def _overlapped_gemms(o, p, *, q_smem, k_smem, v_smem, issued, on_logits, interpret: bool):
+def _overlapped_gemms(o, p, *, q_smem, k_smem, v_smem, issued, on_logits, logits_like,
+                      interpret: bool):
   """`on_logits(q @ k^T)` computed while `o + p @ v` runs: `(on_logits(...), o + p @ v)`.
 
   Either product may be left out (`k_smem` or `v_smem` None); `issued()` runs
   once both are issued. On the GPU both WGMMAs are in flight together and the
-  logits are read as soon as the first one is done. The interpreter takes
-  WGMMA operands from shared memory only, so there they are plain dots.
+  logits are read as soon as the first one is done. `logits_like` is a value
+  of `on_logits`'s result type. The interpreter takes WGMMA operands from
+  shared memory only, so there the products are plain dots.
   """
   if interpret:
     issued()
-    logits = None
+    result = logits_like
     if k_smem is not None:
-      logits = on_logits(jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32))
+      result = on_logits(jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32))
     if v_smem is not None:
       o = o + jnp.dot(p, v_smem[...], preferred_element_type=jnp.float32)
-    return logits, o
+    return result, o
 
-  def body(s_ref, o_ref):
-    if k_smem is not None:
+  # `run_state` and the `ACC` allocation set the accumulators' registers before
+  # any WGMMA is issued: a register a WGMMA reads that is set in between makes
+  # ptxas serialize every WGMMA of the kernel (warning C7513).
+  def body(refs):
+    o_ref, result_refs = refs
+
+    def with_logits(s_ref):
       plgpu.wgmma(s_ref, q_smem, k_smem.T)
-    if v_smem is not None:
-      o_ref[...] = o
-      plgpu.wgmma(o_ref, p, v_smem)
-    issued()
-    result = None
-    if k_smem is not None:
+      if v_smem is not None:
+        plgpu.wgmma(o_ref, p, v_smem)
+      issued()
       # The WGMMAs complete in order: leaving one in flight leaves P V.
-      result = on_logits(plgpu.wgmma_accumulator_load(s_ref, wait_n=int(v_smem is not None)))
-    new_o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0) if v_smem is not None else o
-    return result, new_o
+      logits = plgpu.wgmma_accumulator_load(s_ref, wait_n=int(v_smem is not None))
+      for ref, value in zip(result_refs, on_logits(logits)):
+        ref[...] = value
 
-  block_kv = (k_smem if k_smem is not None else v_smem).shape[0]
-  return pl.run_scoped(body, plgpu.ACC((q_smem.shape[0], block_kv), jnp.float32),
-                       plgpu.ACC(o.shape, jnp.float32))
+    if k_smem is None:
+      plgpu.wgmma(o_ref, p, v_smem)
+      issued()
+    else:
+      pl.run_scoped(with_logits, plgpu.ACC((q_smem.shape[0], k_smem.shape[0]), jnp.float32))
+
+  # run_state returns once every WGMMA is done.
+  o, result = pl.run_state(body)((plgpu.ACC.init(o), tuple(logits_like)))
+  return result, o
 
 
 def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
@@ -233,7 +247,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
 
   @pl.when(wg < NUM_CONSUMERS)
   def _consumer():
-    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    plgpu.set_max_registers(config.consumer_registers, action="increase")
     slots = [pl.ds(j * slot_rows, slot_rows) for j in range(cands_per_block)]
 
     def gmem_rows(item: _Item):
@@ -378,14 +392,15 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
               acc, p, q_smem=qo_smem,
               k_smem=None if qk_step is None else k_smem.at[slot_of(qk_step)],
               v_smem=None if pv_step is None else v_smem.at[slot_of(pv_step)],
-              issued=issued, on_logits=on_logits, interpret=interpret)
+              issued=issued, on_logits=on_logits, logits_like=(p, m_i, l_i, m_i),
+              interpret=interpret)
         if pv_step is not None:
           plgpu.barrier_arrive(v_consumed.at[slot_of(pv_step)])
         return result, acc
 
       def first_turn(_, carry):
-        acc, m_i, l_i, _ = carry
-        (p, m_i, l_i, _), acc = gemm_turn(0, None, None, acc, m_i, l_i, masked=True,
+        acc, m_i, l_i, p = carry
+        (p, m_i, l_i, _), acc = gemm_turn(0, None, p, acc, m_i, l_i, masked=True,
                                           then=prefetch_next_queries)
         return acc, m_i, l_i, p
 
@@ -468,7 +483,9 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
 
   @pl.when(wg == NUM_CONSUMERS)
   def _producer():
-    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    plgpu.set_max_registers(
+        min(PRODUCER_REGISTERS, _REGISTERS_PER_THREAD - NUM_CONSUMERS * config.consumer_registers),
+        action="decrease")
 
     def item_body(i, first_step):
       item = item_info(i)
