@@ -24,7 +24,6 @@ from ikbo_jax.ops import target_attention_mosaic
 
 CONFIGS = {
     "default": kernel.Config(),
-    "ping_pong": kernel.Config(overlap_softmax=False),
 }
 
 

@@ -45,9 +45,8 @@ from ikbo_jax.kernels.mosaic_gpu.common import (
 from ikbo_jax.query_tiles import QueryTiles
 
 BLOCK_ROWS = 64  # query rows per consumer: one WGMMA M extent
-# The register file (64K) over one thread of each warpgroup (128 threads each).
-_REGISTERS_PER_THREAD = 65536 // 128
 _LOG2E = math.log2(math.e)
+_CONSUMER_REGISTERS = 232
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,15 +57,8 @@ class Config:
   # the next item's K/V during this item's epilogue), or one CTA per item.
   # Persistent measured faster at every S on the H200 (0.269 vs 0.287 ms at S=1024).
   persistent: bool = True
-  # Each consumer issues the next block's Q K^T before its softmax and that
-  # softmax runs while its previous P V is on the tensor cores (FlashAttention-3
-  # intra-warpgroup overlap), on top of the consumers taking turns.
-  overlap_softmax: bool = True
-  # Registers per consumer thread; the producer gets what is left of the
-  # 64K-register file for three warpgroups (at least 24).
-  consumer_registers: int = 232
   # Diagnostics: write a Mosaic GPU profiler trace of the consumers' named
-  # phases (item_start, turn, softmax, gemms or qk/pv_wait/pv, epilogue) to this directory.
+  # phases (item_start, qk and its turn, softmax, pv_wait, pv, epilogue) to this directory.
   # Each phase boundary stores a clock reading, which slows the kernel slightly.
   profile_dir: str = ""
 
@@ -119,52 +111,6 @@ def _accumulate_pv(acc, p, v_smem, *, then, interpret: bool):
     then()
 
   return pl.run_state(issue)(plgpu.ACC.init(acc))
-
-
-def _overlapped_gemms(o, p, *, q_smem, k_smem, v_smem, issued, on_logits, logits_like,
-                      interpret: bool):
-  """`on_logits(q @ k^T)` computed while `o + p @ v` runs: `(on_logits(...), o + p @ v)`.
-
-  Either product may be left out (`k_smem` or `v_smem` None); `issued()` runs
-  once both are issued. On the GPU both WGMMAs are in flight together and the
-  logits are read as soon as the first one is done. `logits_like` is a value
-  of `on_logits`'s result type. The interpreter takes WGMMA operands from
-  shared memory only, so there the products are plain dots.
-  """
-  if interpret:
-    issued()
-    result = logits_like
-    if k_smem is not None:
-      result = on_logits(jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32))
-    if v_smem is not None:
-      o = o + jnp.dot(p, v_smem[...], preferred_element_type=jnp.float32)
-    return result, o
-
-  # `run_state` and the `ACC` allocation set the accumulators' registers before
-  # any WGMMA is issued: a register a WGMMA reads that is set in between makes
-  # ptxas serialize every WGMMA of the kernel (warning C7513).
-  def body(refs):
-    o_ref, result_refs = refs
-
-    def with_logits(s_ref):
-      plgpu.wgmma(s_ref, q_smem, k_smem.T)
-      if v_smem is not None:
-        plgpu.wgmma(o_ref, p, v_smem)
-      issued()
-      # The WGMMAs complete in order: leaving one in flight leaves P V.
-      logits = plgpu.wgmma_accumulator_load(s_ref, wait_n=int(v_smem is not None))
-      for ref, value in zip(result_refs, on_logits(logits)):
-        ref[...] = value
-
-    if k_smem is None:
-      plgpu.wgmma(o_ref, p, v_smem)
-      issued()
-    else:
-      pl.run_scoped(with_logits, plgpu.ACC((q_smem.shape[0], k_smem.shape[0]), jnp.float32))
-
-  # run_state returns once every WGMMA is done.
-  o, result = pl.run_state(body)((plgpu.ACC.init(o), tuple(logits_like)))
-  return result, o
 
 
 def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
@@ -247,7 +193,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
 
   @pl.when(wg < NUM_CONSUMERS)
   def _consumer():
-    plgpu.set_max_registers(config.consumer_registers, action="increase")
+    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
     slots = [pl.ds(j * slot_rows, slot_rows) for j in range(cands_per_block)]
 
     def gmem_rows(item: _Item):
@@ -300,12 +246,12 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
       with jax.named_scope("item_start"):
         plgpu.barrier_wait(q_ready.at[buf * NUM_CONSUMERS + wg])
         pl.when(kv_steps == 0)(prefetch_next_queries)
-        if not config.overlap_softmax:
-          @pl.when(kv_steps > 0)
-          def _():
-            plgpu.barrier_wait(k_ready.at[slot_of(0)])
 
-          start_turns(i)
+        @pl.when(kv_steps > 0)
+        def _():
+          plgpu.barrier_wait(k_ready.at[slot_of(0)])
+
+        start_turns(i)
 
       def online_softmax(logits, m_i, l_i, step, masked: bool):
         """Folds K/V block `step`'s logits into the running max and sum: `(p, m, l, alpha)`."""
@@ -327,7 +273,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
       def rescale(acc, alpha):
         return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-      def ping_pong_step(step, carry, masked: bool):
+      def kv_step(step, carry, masked: bool):
         acc, m_i, l_i = carry
         slot = slot_of(step)
 
@@ -364,79 +310,13 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_new, l_i
 
-      def gemm_turn(qk_step, pv_step, p, acc, m_i, l_i, masked: bool, then=lambda: None):
-        """This consumer's turn on the tensor cores: `Q K^T` of `qk_step`, `P V` of `pv_step`.
-
-        Returns the softmax of `qk_step`'s logits (computed while `P V` runs)
-        and `acc + P V`. Either step may be None. `then()` runs once both are issued.
-        """
-        with jax.named_scope("turn"):
-          if qk_step is not None:
-            plgpu.barrier_wait(k_ready.at[slot_of(qk_step)])
-          if pv_step is not None:
-            plgpu.barrier_wait(v_ready.at[slot_of(pv_step)])
-          plgpu.barrier_wait(schedule.at[wg])
-
-        def issued():
-          plgpu.barrier_arrive(schedule.at[lax.rem(wg + 1, NUM_CONSUMERS)])
-          then()
-
-        def on_logits(logits):
-          plgpu.barrier_arrive(k_consumed.at[slot_of(qk_step)])
-          with jax.named_scope("softmax"):
-            # Ahead of the wait for P V, which the compiler would otherwise sink it past.
-            return lax.optimization_barrier(online_softmax(logits, m_i, l_i, qk_step, masked))
-
-        with jax.named_scope("gemms"):
-          result, acc = _overlapped_gemms(
-              acc, p, q_smem=qo_smem,
-              k_smem=None if qk_step is None else k_smem.at[slot_of(qk_step)],
-              v_smem=None if pv_step is None else v_smem.at[slot_of(pv_step)],
-              issued=issued, on_logits=on_logits, logits_like=(p, m_i, l_i, m_i),
-              interpret=interpret)
-        if pv_step is not None:
-          plgpu.barrier_arrive(v_consumed.at[slot_of(pv_step)])
-        return result, acc
-
-      def first_turn(_, carry):
-        acc, m_i, l_i, p = carry
-        (p, m_i, l_i, _), acc = gemm_turn(0, None, p, acc, m_i, l_i, masked=True,
-                                          then=prefetch_next_queries)
-        return acc, m_i, l_i, p
-
-      def overlapped_step(step, carry, masked: bool):
-        acc, m_i, l_i, p = carry
-        (p_next, m_i, l_i, alpha), acc = gemm_turn(step, step - 1, p, acc, m_i, l_i, masked)
-        return rescale(acc, alpha), m_i, l_i, p_next
-
-      def last_turn(_, carry):
-        acc, m_i, l_i, p = carry
-        _, acc = gemm_turn(None, kv_steps - 1, p, acc, m_i, l_i, masked=False)
-        return acc, m_i, l_i, p
-
       full_steps = item.full_steps
-      if config.overlap_softmax:
-        # Block 0's Q K^T has no P V to overlap and the last P V no Q K^T: a
-        # first and a last turn around the steady steps, each run once unless
-        # the item reads no K/V at all.
-        p = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, block_kv), dtype), plgpu.Layout.WGMMA)
-        any_steps = jnp.minimum(kv_steps, 1)
-        carry = lax.fori_loop(0, any_steps, first_turn, (acc, m_i, l_i, p))
-        # The first turn masks block 0, whatever full_steps says.
-        unmasked_end = jnp.maximum(full_steps, 1)
-        carry = lax.fori_loop(1, unmasked_end, functools.partial(overlapped_step, masked=False),
-                              carry)
-        carry = lax.fori_loop(unmasked_end, kv_steps,
-                              functools.partial(overlapped_step, masked=True), carry)
-        acc, m_i, l_i, _ = lax.fori_loop(0, any_steps, last_turn, carry)
-      else:
-        carry = lax.fori_loop(0, full_steps, functools.partial(ping_pong_step, masked=False),
-                              (acc, m_i, l_i))
-        acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps,
-                                      functools.partial(ping_pong_step, masked=True), carry)
+      carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False),
+                            (acc, m_i, l_i))
+      acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps,
+                                    functools.partial(kv_step, masked=True), carry)
       with jax.named_scope("epilogue"):
-        if not config.overlap_softmax:
-          end_turns(i)
+        end_turns(i)
 
         # A user with no valid key has l == 0: write zeros rather than 0/0.
         l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
@@ -468,24 +348,14 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
       return first_step + kv_steps
 
     load_queries(0)  # every program has at least one item
-    if config.overlap_softmax:
-      # The turns go round the consumers without a break across items: the last
-      # consumer's arrival opens consumer 0's first turn, and consumer 0 takes
-      # the arrival that would open its turn after the last.
-      pl.when(wg == NUM_CONSUMERS - 1)(lambda: plgpu.barrier_arrive(schedule.at[0]))
-      lax.fori_loop(0, my_items, item_body, jnp.int32(0))
-      pl.when(wg == 0)(lambda: plgpu.barrier_wait(schedule.at[0]))
-    else:
-      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(schedule))  # the first item's start
-      lax.fori_loop(0, my_items, item_body, jnp.int32(0))
-      pl.when(wg == 0)(lambda: plgpu.barrier_wait(schedule))  # the last item's end
+    pl.when(wg == 1)(lambda: plgpu.barrier_arrive(schedule))  # the first item's start
+    lax.fori_loop(0, my_items, item_body, jnp.int32(0))
+    pl.when(wg == 0)(lambda: plgpu.barrier_wait(schedule))  # the last item's end
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == NUM_CONSUMERS)
   def _producer():
-    plgpu.set_max_registers(
-        min(PRODUCER_REGISTERS, _REGISTERS_PER_THREAD - NUM_CONSUMERS * config.consumer_registers),
-        action="decrease")
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
     def item_body(i, first_step):
       item = item_info(i)
@@ -499,8 +369,8 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         slot = lax.rem(pipeline_step, stages)
 
         kv_block = (user, pl.ds(step * block_kv, block_kv), head)
-        # K and V slots free up separately: with the softmax overlapped, a
-        # block's K is done a whole step before its V.
+        # K and V slots free up separately: a block's K is done half a step
+        # before its V, so the next K load need not wait for the P V.
         pl.when(pipeline_step >= stages)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
         plgpu.copy_gmem_to_smem(k_ref.at[kv_block], k_smem.at[slot], k_ready.at[slot])
         pl.when(pipeline_step >= stages)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
@@ -587,10 +457,7 @@ def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: 
          plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_arrivals=tiles.cands_per_block, num_barriers=2 * NUM_CONSUMERS)),
         (plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),) * 2,
-        # The consumers' turns on the tensor cores: one barrier per consumer
-        # (its turn), or one that both pass together at each half step.
-        (plgpu.Barrier(num_arrivals=1, num_barriers=NUM_CONSUMERS) if config.overlap_softmax
-         else plgpu.Barrier(num_arrivals=NUM_CONSUMERS)),
+        plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
         collective_axes="wg",
     )
 
