@@ -27,22 +27,26 @@ CONFIGS = {
 }
 
 
-def run(seq_len, iterations, shape=PUBLISHED):
+def kernel_steps(seq_len: int, config: kernel.Config, shape=PUBLISHED) -> dict:
+  """kind -> (jitted fn, operands): target attention alone and self + target in one launch."""
   (q_user, q_cand, k, v), index, _ = _inputs(shape, seq_len, jnp.bfloat16)
   kv_len = jnp.full(k.shape[0], seq_len, jnp.int32)
-  common_args = dict(scale=1 / np.sqrt(k.shape[-1]), save_lse=False)
+  common_args = dict(scale=1 / np.sqrt(k.shape[-1]), save_lse=False, config=config)
+  target = functools.partial(target_attention_mosaic.forward, **common_args)
+  fused = functools.partial(target_attention_mosaic.self_target_forward, causal=False,
+                            **common_args)
+  return {
+      "target": (jax.jit(lambda q, k, v, index: target(q, k, v, index, kv_len)[0]),
+                 (q_cand, k, v, index)),
+      "fused": (jax.jit(lambda qu, q, k, v, index: fused(qu, q, k, v, index, kv_len)[:2]),
+                (q_user, q_cand, k, v, index)),
+  }
+
+
+def run(seq_len, iterations, shape=PUBLISHED):
   rows, outputs = {}, {}
   for name, config in CONFIGS.items():
-    target = functools.partial(target_attention_mosaic.forward, config=config, **common_args)
-    fused = functools.partial(target_attention_mosaic.self_target_forward, causal=False,
-                              config=config, **common_args)
-    steps = {
-        "target": (jax.jit(lambda q, k, v, index: target(q, k, v, index, kv_len)[0]),
-                   (q_cand, k, v, index)),
-        "fused": (jax.jit(lambda qu, q, k, v, index: fused(qu, q, k, v, index, kv_len)[:2]),
-                  (q_user, q_cand, k, v, index)),
-    }
-    for kind, (fn, operands) in steps.items():
+    for kind, (fn, operands) in kernel_steps(seq_len, config, shape).items():
       try:
         rows[f"{kind}/{name}"] = common.median_ms(fn, *operands, iterations=iterations)[0]
         out = fn(*operands)

@@ -2,10 +2,11 @@
 
     python -m benchmarks.attention_profile --out profile.json
 
-Runs the kernel in each of the diagnostics' configs with `profile_dir` set, which records clock readings at
-the consumers' named phases (item_start, turn, softmax, epilogue, and qk,
-pv_wait, pv for the ping-pong schedule or gemms for the overlapped one), and summarises the trace per consumer
-warpgroup: cycles per work item, per phase per item, and outside any phase.
+Runs the kernel in each of the diagnostics' configs with `profile_dir` set,
+which records clock readings at the consumers' named phases (item_start, qk
+and the turn wait inside it, softmax, pv_wait, pv, epilogue), and summarises
+the trace per consumer warpgroup: cycles per work item, per phase per item,
+and outside any phase.
 The clock stores perturb the kernel by a few percent: compare phases with
 each other, not with unprofiled times.
 """
@@ -22,15 +23,11 @@ import statistics
 import tempfile
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from benchmarks import common
-from benchmarks.attention_diagnostics import CONFIGS
-from benchmarks.self_target_attention import _inputs
+from benchmarks.attention_diagnostics import CONFIGS, kernel_steps
 from benchmarks.target_attention import PUBLISHED
 from ikbo_jax.kernels.mosaic_gpu import target_attention as kernel
-from ikbo_jax.ops import target_attention_mosaic
 
 # Each CTA records one trace per warpgroup: the consumers, then the producer.
 TRACES_PER_CTA = kernel.NUM_CONSUMERS + 1
@@ -56,11 +53,12 @@ def _ranges_by_trace(trace: dict) -> dict[int, list[tuple[str, float, float, int
 
 def summarize(trace: dict) -> dict:
   """Per consumer: mean cycles per item, per phase per item, and outside the phases."""
+  ranges_by_trace = _ranges_by_trace(trace)
   summary = {}
   for wg in range(kernel.NUM_CONSUMERS):
     per_item = collections.defaultdict(list)
     item_cycles, steps = [], []
-    for tid, ranges in _ranges_by_trace(trace).items():
+    for tid, ranges in ranges_by_trace.items():
       if (tid - 1) % TRACES_PER_CTA != wg:
         continue
       begins = [begin for name, begin, _, _ in ranges if name == "item_start"]
@@ -81,13 +79,12 @@ def summarize(trace: dict) -> dict:
         cycles_per_item=statistics.fmean(item_cycles) if item_cycles else None,
         steps_per_item=statistics.fmean(steps) if steps else None,
         phase_cycles_per_item={name: statistics.fmean(v) for name, v in sorted(per_item.items())})
-  summary["timeline"] = _timeline(trace)
+  summary["timeline"] = _timeline(ranges_by_trace)
   return summary
 
 
-def _timeline(trace: dict, items: int = 2) -> dict:
+def _timeline(ranges: dict, items: int = 2) -> dict:
   """Both consumers of one CTA, their ranges over `items` items after the warm-up, in cycles."""
-  ranges = _ranges_by_trace(trace)
   cta = min((tid - 1) // TRACES_PER_CTA for tid in ranges)
   traces = {wg: ranges.get(cta * TRACES_PER_CTA + wg + 1, [])
             for wg in range(kernel.NUM_CONSUMERS)}
@@ -103,7 +100,7 @@ def _timeline(trace: dict, items: int = 2) -> dict:
 def profile(fn, operands, profile_dir: str) -> dict:
   for old in glob.glob(os.path.join(profile_dir, "*.json")):
     os.remove(old)
-  jax.block_until_ready(fn(*operands))  # compiles; the traced run follows
+  jax.block_until_ready(fn(*operands))  # compiles and warms up; the second run's trace is kept
   jax.block_until_ready(fn(*operands))
   jax.effects_barrier()  # the trace is written by a host callback
   newest = max(glob.glob(os.path.join(profile_dir, "*.json")), key=os.path.getmtime)
@@ -111,21 +108,10 @@ def profile(fn, operands, profile_dir: str) -> dict:
     return summarize(json.load(f))
 
 
-def run(seq_len: int, profile_dir: str, config: kernel.Config, shape=PUBLISHED) -> dict:
-  (q_user, q_cand, k, v), index, _ = _inputs(shape, seq_len, jnp.bfloat16)
-  kv_len = jnp.full(k.shape[0], seq_len, jnp.int32)
+def run(seq_len: int, profile_dir: str, config: kernel.Config) -> dict:
   config = dataclasses.replace(config, profile_dir=profile_dir)
-  common_args = dict(scale=1 / np.sqrt(k.shape[-1]), save_lse=False, config=config)
-
-  def target(q, k, v, index):
-    return target_attention_mosaic.forward(q, k, v, index, kv_len, **common_args)[0]
-
-  def fused(q_user, q, k, v, index):
-    return target_attention_mosaic.self_target_forward(
-        q_user, q, k, v, index, kv_len, causal=False, **common_args)[:2]
-
-  return dict(target=profile(jax.jit(target), (q_cand, k, v, index), profile_dir),
-              fused=profile(jax.jit(fused), (q_user, q_cand, k, v, index), profile_dir))
+  return {kind: profile(fn, operands, profile_dir)
+          for kind, (fn, operands) in kernel_steps(seq_len, config).items()}
 
 
 def main():

@@ -270,9 +270,6 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         l_i = l_i * alpha + p.sum(axis=1)
         return p.astype(dtype), m_new, l_i, alpha
 
-      def rescale(acc, alpha):
-        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
       def kv_step(step, carry, masked: bool):
         acc, m_i, l_i = carry
         slot = slot_of(step)
@@ -291,7 +288,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           plgpu.barrier_arrive(k_consumed.at[slot])
         with jax.named_scope("softmax"):
           p16, m_new, l_i, alpha = online_softmax(logits, m_i, l_i, step, masked)
-          acc = rescale(acc, alpha)
+          acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
           # Keep the softmax ahead of the barriers below (the compiler would
           # otherwise sink it past them and serialize the two consumers).
           acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
