@@ -1,6 +1,7 @@
 """Diagnostics for the Mosaic GPU attention kernel: configs side by side at the published shape.
 
     python -m benchmarks.attention_diagnostics --out diag.json
+    ncu ... python -m benchmarks.attention_diagnostics --once --seq-lens 1024
 
 Times target attention alone and self + target attention in one launch for each
 kernel `Config` in `CONFIGS` (median CUPTI time, one run), to pick the defaults,
@@ -65,7 +66,15 @@ def main():
   parser.add_argument("--out", required=True)
   parser.add_argument("--seq-lens", type=int, nargs="*", default=(512, 1024, 4096))
   parser.add_argument("--iterations", type=int, default=30)
+  parser.add_argument("--once", action="store_true",
+                      help="run each config's target kernel once, untimed (for a profiler such as ncu)")
   args = parser.parse_args()
+  if args.once:
+    for seq_len in args.seq_lens:
+      for config in CONFIGS.values():
+        fn, operands = kernel_steps(seq_len, config)["target"]
+        jax.block_until_ready(fn(*operands))
+    return
   payload = dict(**common.metadata(), shape=PUBLISHED, configs=list(CONFIGS), rows={})
   for seq_len in args.seq_lens:
     payload["rows"][seq_len] = run(seq_len, args.iterations)

@@ -3,7 +3,7 @@
 # the call is cut short), then GPU tests, the demo and the linear-compression diagnostics. Results go to $OUT.
 # Set IKBO_COMMIT (the device copy has no .git). STEPS picks what runs, by default
 # "lc attention self_target tests demo diagnostics"; also "attention_tests" (the attention GPU
-# tests only), "attention_diagnostics" and "attention_profile". BENCH_ARGS=--no-sweeps shortens the lc step.
+# tests only), "attention_diagnostics", "attention_profile" and "attention_ncu" (Nsight Compute). BENCH_ARGS=--no-sweeps shortens the lc step.
 set -uo pipefail
 OUT=${OUT:-/tmp/ikbo_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -32,6 +32,21 @@ fi
 if has attention_profile; then
   timeout 200 python3 -m benchmarks.attention_profile --out "$OUT/attention_profile_h200.json" \
     2>&1 | grep "^S " | cut -c1-3000
+fi
+if has attention_ncu; then
+  # Nsight Compute on the target kernel at S=1024: stall reasons per SASS instruction.
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1)
+  timeout 300 "$NCU" --clock-control none --kernel-name regex:ikbo_target_attention \
+    --launch-count "${NCU_LAUNCHES:-1}" --section SpeedOfLight --section WarpStateStats \
+    --section SchedulerStats --section InstructionStats --section SourceCounters \
+    --section ComputeWorkloadAnalysis -f -o "$OUT/attention_ncu" \
+    python3 -m benchmarks.attention_diagnostics --out /dev/null --once --seq-lens 1024 \
+    > "$OUT/ncu.log" 2>&1
+  tail -n 3 "$OUT/ncu.log"
+  "$NCU" -i "$OUT/attention_ncu.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
+  "$NCU" -i "$OUT/attention_ncu.ncu-rep" --page source --csv --print-source sass \
+    > "$OUT/ncu_sass.csv" 2>&1
+  grep -E "Duration|Registers Per|Issued Ipc|Warp Cycles Per Issued" "$OUT/ncu_details.txt"
 fi
 if has tests; then
   timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -q -p no:cacheprovider tests -m gpu -rA 2>&1 \
