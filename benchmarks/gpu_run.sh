@@ -26,7 +26,7 @@ if has self_target; then
   tail -n 4 "$OUT/self_target_bench.log" | cut -c1-1500
 fi
 if has attention_diagnostics; then
-  timeout 180 python3 -m benchmarks.attention_diagnostics \
+  timeout 300 python3 -m benchmarks.attention_diagnostics \
     --out "$OUT/attention_diagnostics_h200.json" 2>&1 | grep "^S " | cut -c1-900
 fi
 if has attention_profile; then

@@ -40,6 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ikbo_jax.kernels.mosaic_gpu import inline
 from ikbo_jax.kernels.mosaic_gpu.common import (
     NUM_CONSUMERS, PRODUCER_REGISTERS, interpret_params, num_sms, smem_transforms)
 from ikbo_jax.query_tiles import QueryTiles
@@ -61,6 +62,12 @@ class Config:
   # phases (item_start, qk and its turn, softmax, pv_wait, pv, epilogue) to this directory.
   # Each phase boundary stores a clock reading, which slows the kernel slightly.
   profile_dir: str = ""
+  # Keep the softmax row sums per thread and exchange lanes once per item,
+  # not twice per K/V step (GPU only; the interpreter sums whole rows).
+  row_sums_in_thread: bool = True
+  # Pass the consumers' turns with named hardware barriers rather than an
+  # mbarrier in shared memory (GPU only; the interpreter uses the mbarrier).
+  named_barriers: bool = True
 
   def __post_init__(self):
     if self.block_kv % 64:
@@ -113,6 +120,99 @@ def _accumulate_pv(acc, p, v_smem, *, then, interpret: bool):
   return pl.run_state(issue)(plgpu.ACC.init(acc))
 
 
+class _MbarrierTurns:
+  """The consumers' turns at the tensor cores through one shared-memory mbarrier.
+
+  Each consumer's turn covers its `P @ V` and the next `Q K^T` issue; both
+  consumers arrive at every phase, after their `Q K^T` issue and after their
+  softmax. The turns restart at every item: consumer 1 starts half a step
+  behind consumer 0 (one barrier phase), and consumer 0 ends with one extra
+  phase to match. Each consumer arrives for those two phases as soon as its
+  last P @ V is done and waits for them only at the next item's start, so
+  neither waits for the other's epilogue (H200: same bits, 0-2% faster than a
+  full barrier at each end). Keeping the turns going across items instead
+  measured 1.5-4.6% slower at S=512 and 1024: consumer 1's last P @ V then
+  waits for consumer 0's epilogue.
+  """
+
+  def __init__(self, wg, my_items, barrier):
+    self.wg, self.my_items, self.barrier = wg, my_items, barrier
+
+  def start_kernel(self):
+    pl.when(self.wg == 1)(lambda: plgpu.barrier_arrive(self.barrier))
+
+  def start_item(self, i):
+    pl.when(self.wg == 1)(lambda: plgpu.barrier_wait(self.barrier))
+    pl.when((self.wg == 0) & (i > 0))(lambda: plgpu.barrier_wait(self.barrier))
+
+  def after_qk(self):
+    plgpu.barrier_arrive(self.barrier)
+    plgpu.barrier_wait(self.barrier)
+
+  def before_pv(self, wait_for_v):
+    plgpu.barrier_arrive(self.barrier)
+    wait_for_v()
+    plgpu.barrier_wait(self.barrier)
+
+  def end_item(self, i):
+    pl.when(self.wg == 0)(lambda: plgpu.barrier_arrive(self.barrier))
+    pl.when((self.wg == 1) & (i + 1 < self.my_items))(lambda: plgpu.barrier_arrive(self.barrier))
+
+  def end_kernel(self):
+    pl.when(self.wg == 0)(lambda: plgpu.barrier_wait(self.barrier))
+
+
+class _NamedBarrierTurns:
+  """The same turns through two named hardware barriers, one per consumer (FlashAttention-3's).
+
+  A consumer's turn starts with `bar.sync` on its own barrier and ends with
+  `bar.arrive` on the other's: turns are an item's first `Q K^T`, each
+  `P @ V` with the next `Q K^T`, and the last `P @ V`, alternating between the
+  consumers and across items. A consumer never arrives twice at a barrier
+  before the other has synced on it (it must sync on its own in between,
+  which needs the other's arrival), as named barriers require.
+  """
+
+  _THREADS = 2 * 128  # one consumer syncs, the other arrives
+
+  def __init__(self, wg, my_items):
+    self.wg, self.my_items = wg, my_items
+
+  def _own(self, op):
+    for c in range(NUM_CONSUMERS):
+      pl.when(self.wg == c)(lambda c=c: op(inline.FIRST_FREE_BARRIER_ID + c, self._THREADS))
+
+  def _pass_on(self):
+    for c in range(NUM_CONSUMERS):
+      other = inline.FIRST_FREE_BARRIER_ID + (c + 1) % NUM_CONSUMERS
+      pl.when(self.wg == c)(lambda other=other: inline.named_barrier_arrive(other, self._THREADS))
+
+  def start_kernel(self):
+    # Consumer 0 takes the first turn.
+    pl.when(self.wg == 1)(
+        lambda: inline.named_barrier_arrive(inline.FIRST_FREE_BARRIER_ID, self._THREADS))
+
+  def start_item(self, i):
+    del i
+    self._own(inline.named_barrier_sync)
+
+  def after_qk(self):
+    self._pass_on()
+
+  def before_pv(self, wait_for_v):
+    wait_for_v()
+    self._own(inline.named_barrier_sync)
+
+  def end_item(self, i):
+    del i
+    self._pass_on()
+
+  def end_kernel(self):
+    # Consume consumer 1's last pass, so no arrival is left pending.
+    pl.when(self.wg == 0)(
+        lambda: inline.named_barrier_sync(inline.FIRST_FREE_BARRIER_ID, self._THREADS))
+
+
 def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
             q_ref, k_ref, v_ref, user_kv_len_ref, q_user_ref, out_ref, lse_ref, out_user_ref,
             scoped, *, scale: float, slot_rows: int, causal: bool, config: Config,
@@ -163,25 +263,8 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         jnp.where(is_user, user_full, cand_kv_len // block_kv),
         is_user, user_row)
 
-  def schedule_barrier():
-    plgpu.barrier_arrive(schedule)
-    plgpu.barrier_wait(schedule)
-
-  # The consumers' turns restart at every item: consumer 1 starts half a step
-  # behind consumer 0 (one barrier phase), and consumer 0 ends with one extra
-  # phase to match. Each consumer arrives for those two phases as soon as its
-  # last P @ V is done and waits for them only at the next item's start, so
-  # neither waits for the other's epilogue (H200: same bits, 0-2% faster than
-  # a full barrier at each end). Keeping the turns going across items instead
-  # measured 1.5-4.6% slower at S=512 and 1024: consumer 1's last P @ V then
-  # waits for consumer 0's epilogue.
-  def start_turns(i):
-    pl.when(wg == 1)(lambda: plgpu.barrier_wait(schedule))
-    pl.when((wg == 0) & (i > 0))(lambda: plgpu.barrier_wait(schedule))
-
-  def end_turns(i):
-    pl.when(wg == 0)(lambda: plgpu.barrier_arrive(schedule))
-    pl.when((wg == 1) & (i + 1 < my_items))(lambda: plgpu.barrier_arrive(schedule))
+  turns = (_NamedBarrierTurns(wg, my_items) if config.named_barriers and not interpret
+           else _MbarrierTurns(wg, my_items, schedule))
 
   def when_kind(item: _Item, for_cands, for_users):
     """Runs the candidate or the user variant of a step, by the item's kind."""
@@ -190,6 +273,8 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
     else:
       pl.when(jnp.logical_not(item.is_user))(for_cands)
       pl.when(item.is_user)(for_users)
+
+  row_sums_in_thread = config.row_sums_in_thread and not interpret
 
   @pl.when(wg < NUM_CONSUMERS)
   def _consumer():
@@ -251,7 +336,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         def _():
           plgpu.barrier_wait(k_ready.at[slot_of(0)])
 
-        start_turns(i)
+        turns.start_item(i)
 
       def online_softmax(logits, m_i, l_i, step, masked: bool):
         """Folds K/V block `step`'s logits into the running max and sum: `(p, m, l, alpha)`."""
@@ -267,7 +352,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         m_new = jnp.maximum(m_i, logits.max(axis=1) * (scale * _LOG2E))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(logits * (scale * _LOG2E) - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-        l_i = l_i * alpha + p.sum(axis=1)
+        l_i = l_i * alpha + (inline.row_sums_in_thread(p) if row_sums_in_thread else p.sum(axis=1))
         return p.astype(dtype), m_new, l_i, alpha
 
       def kv_step(step, carry, masked: bool):
@@ -280,7 +365,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           # item's stores measured no faster on the H200.)
           pl.when(step == 0)(prefetch_next_queries)
           with jax.named_scope("turn"):
-            schedule_barrier()
+            turns.after_qk()
           return acc_ref[...]
 
         with jax.named_scope("qk"):
@@ -293,9 +378,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           # otherwise sink it past them and serialize the two consumers).
           acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
         with jax.named_scope("pv_wait"):
-          plgpu.barrier_arrive(schedule)
-          plgpu.barrier_wait(v_ready.at[slot])
-          plgpu.barrier_wait(schedule)
+          turns.before_pv(lambda: plgpu.barrier_wait(v_ready.at[slot]))
 
         def wait_next_k():
           @pl.when(step + 1 < kv_steps)
@@ -313,8 +396,10 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
       acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps,
                                     functools.partial(kv_step, masked=True), carry)
       with jax.named_scope("epilogue"):
-        end_turns(i)
+        turns.end_item(i)
 
+        if row_sums_in_thread:
+          l_i = inline.sum_row_partials(l_i)
         # A user with no valid key has l == 0: write zeros rather than 0/0.
         l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
         acc /= lax.broadcast_in_dim(l_safe, acc.shape, [0])
@@ -345,9 +430,9 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
       return first_step + kv_steps
 
     load_queries(0)  # every program has at least one item
-    pl.when(wg == 1)(lambda: plgpu.barrier_arrive(schedule))  # the first item's start
+    turns.start_kernel()
     lax.fori_loop(0, my_items, item_body, jnp.int32(0))
-    pl.when(wg == 0)(lambda: plgpu.barrier_wait(schedule))  # the last item's end
+    turns.end_kernel()
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == NUM_CONSUMERS)
