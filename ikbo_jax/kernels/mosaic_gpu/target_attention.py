@@ -98,6 +98,11 @@ class _Item(NamedTuple):
   user_row: jax.Array  # for user tiles, the first query row of the tile
 
 
+def _loaded_scalars(item: _Item) -> dict:
+  return dict(user=item.user, kv_len=item.kv_len, kv_steps=item.kv_steps,
+              full_steps=item.full_steps)
+
+
 # Stands for "no limit" in row/key position comparisons.
 _NO_LIMIT = 1 << 30
 
@@ -175,8 +180,8 @@ class _NamedBarrierTurns:
 
   _THREADS = 2 * 128  # one consumer syncs, the other arrives
 
-  def __init__(self, wg, my_items):
-    self.wg, self.my_items = wg, my_items
+  def __init__(self, wg):
+    self.wg = wg
 
   def _own(self, op):
     for c in range(NUM_CONSUMERS):
@@ -263,7 +268,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         jnp.where(is_user, user_full, cand_kv_len // block_kv),
         is_user, user_row)
 
-  turns = (_NamedBarrierTurns(wg, my_items) if config.named_barriers and not interpret
+  turns = (_NamedBarrierTurns(wg) if config.named_barriers and not interpret
            else _MbarrierTurns(wg, my_items, schedule))
 
   def when_kind(item: _Item, for_cands, for_users):
@@ -291,9 +296,8 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
                   for j in range(cands_per_block)]
       return cand_rows, own_rows, row_start, user_rows
 
-    def load_queries(i):
-      """Starts the copy of item `i`'s query rows into its buffer, `i % 2`."""
-      item, buf = item_info(i), lax.rem(i, 2)
+    def load_queries(item: _Item, buf):
+      """Starts the copy of `item`'s query rows into query buffer `buf`."""
       cand_rows, own_rows, _, _ = gmem_rows(item)
 
       def load(src_ref, rows):
@@ -303,9 +307,18 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
 
       when_kind(item, lambda: load(q_ref, cand_rows), lambda: load(q_user_ref, own_rows))
 
-    def item_body(i, first_step):
-      """One work item; `first_step` counts the K/V steps of earlier items (pipeline slots)."""
-      item = item_info(i)
+    def item_body(i, carry):
+      """One work item.
+
+      `carry` holds the K/V steps of earlier items (pipeline slots) and this
+      item's scalars read from global memory, read during the previous item so
+      that their latency is not paid at this item's start. (The index
+      arithmetic is redone: its divisibility is what lets the query copies
+      be checked for alignment at compile time.)
+      """
+      first_step, loaded = carry
+      item = item_info(i)._replace(**loaded)
+      next_item = item_info(jnp.minimum(i + 1, my_items - 1))
       tile, head, kv_len, kv_steps = item.tile, item.head, item.kv_len, item.kv_steps
       cand_rows, own_rows, row_start, user_rows = gmem_rows(item)
       buf = lax.rem(i, 2)
@@ -318,7 +331,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         @pl.when(i + 1 < my_items)
         def _():
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          load_queries(i + 1)
+          load_queries(next_item, 1 - buf)
 
       rows = (BLOCK_ROWS,)
       m_i = plgpu.layout_cast(jnp.full(rows, -jnp.inf, jnp.float32),
@@ -402,7 +415,9 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           l_i = inline.sum_row_partials(l_i)
         # A user with no valid key has l == 0: write zeros rather than 0/0.
         l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
-        acc /= lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        # One reciprocal per row and a multiply per element: a division per
+        # element would cost a special-function instruction each.
+        acc *= lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
         if q_user_ref is not None:
           # User query rows past the user's length are padding: zeros, as in the reference.
           row = plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=plgpu.Layout.WGMMA)
@@ -427,11 +442,12 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
             plgpu.copy_smem_to_gmem(qo_smem.at[slot], out_user_ref.at[at])
 
         when_kind(item, store_cands, store_own_rows)
-      return first_step + kv_steps
+      return first_step + kv_steps, _loaded_scalars(next_item)
 
-    load_queries(0)  # every program has at least one item
+    first_item = item_info(0)  # every program has at least one item
+    load_queries(first_item, 0)
     turns.start_kernel()
-    lax.fori_loop(0, my_items, item_body, jnp.int32(0))
+    lax.fori_loop(0, my_items, item_body, (jnp.int32(0), _loaded_scalars(first_item)))
     turns.end_kernel()
     plgpu.wait_smem_to_gmem(0)
 
