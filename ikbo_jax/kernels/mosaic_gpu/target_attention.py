@@ -125,97 +125,55 @@ def _accumulate_pv(acc, p, v_smem, *, then, interpret: bool):
   return pl.run_state(issue)(plgpu.ACC.init(acc))
 
 
-class _MbarrierTurns:
-  """The consumers' turns at the tensor cores through one shared-memory mbarrier.
+class _Turns:
+  """The consumers' turns at the tensor cores, FlashAttention-3's ping-pong.
 
-  Each consumer's turn covers its `P @ V` and the next `Q K^T` issue; both
-  consumers arrive at every phase, after their `Q K^T` issue and after their
-  softmax. The turns restart at every item: consumer 1 starts half a step
-  behind consumer 0 (one barrier phase), and consumer 0 ends with one extra
-  phase to match. Each consumer arrives for those two phases as soon as its
-  last P @ V is done and waits for them only at the next item's start, so
-  neither waits for the other's epilogue (H200: same bits, 0-2% faster than a
-  full barrier at each end). Keeping the turns going across items instead
-  measured 1.5-4.6% slower at S=512 and 1024: consumer 1's last P @ V then
-  waits for consumer 0's epilogue.
+  A turn is an item's first `Q K^T`, or a `P @ V` with the `Q K^T` after it
+  (the next block's, or the next item's first); the two consumers take turns
+  alternately, across items too, so each one's softmax runs while the other's
+  GEMMs do. A consumer syncs on its own barrier before its turn and arrives
+  at the other's after issuing it. A consumer never arrives twice at a
+  barrier before the other has synced on it (it must sync on its own in
+  between, which needs the other's arrival), as both barrier kinds need.
+
+  On the GPU the barriers are named hardware barriers (one instruction each
+  way); the interpreter, which has none, uses one mbarrier per consumer.
   """
 
-  def __init__(self, wg, my_items, barrier):
-    self.wg, self.my_items, self.barrier = wg, my_items, barrier
+  _THREADS = 2 * 128  # one consumer warpgroup syncs, the other arrives
+
+  def __init__(self, wg, mbarriers, named: bool):
+    self.wg, self.mbarriers, self.named = wg, mbarriers, named
+
+  def _for_each_consumer(self, op):
+    for c in range(NUM_CONSUMERS):
+      pl.when(self.wg == c)(lambda c=c: op(c))
+
+  def _sync(self, c):
+    if self.named:
+      inline.named_barrier_sync(inline.FIRST_FREE_BARRIER_ID + c, self._THREADS)
+    else:
+      plgpu.barrier_wait(self.mbarriers.at[c])
+
+  def _arrive(self, c):
+    if self.named:
+      inline.named_barrier_arrive(inline.FIRST_FREE_BARRIER_ID + c, self._THREADS)
+    else:
+      plgpu.barrier_arrive(self.mbarriers.at[c])
+
+  def sync(self):
+    """Waits for this consumer's turn."""
+    self._for_each_consumer(self._sync)
+
+  def pass_on(self):
+    """Ends this consumer's turn: the other's starts."""
+    self._for_each_consumer(lambda c: self._arrive((c + 1) % NUM_CONSUMERS))
 
   def start_kernel(self):
-    pl.when(self.wg == 1)(lambda: plgpu.barrier_arrive(self.barrier))
-
-  def start_item(self, i):
-    pl.when(self.wg == 1)(lambda: plgpu.barrier_wait(self.barrier))
-    pl.when((self.wg == 0) & (i > 0))(lambda: plgpu.barrier_wait(self.barrier))
-
-  def after_qk(self):
-    plgpu.barrier_arrive(self.barrier)
-    plgpu.barrier_wait(self.barrier)
-
-  def before_pv(self, wait_for_v):
-    plgpu.barrier_arrive(self.barrier)
-    wait_for_v()
-    plgpu.barrier_wait(self.barrier)
-
-  def end_item(self, i):
-    pl.when(self.wg == 0)(lambda: plgpu.barrier_arrive(self.barrier))
-    pl.when((self.wg == 1) & (i + 1 < self.my_items))(lambda: plgpu.barrier_arrive(self.barrier))
+    pl.when(self.wg == 1)(lambda: self._arrive(0))  # consumer 0 takes the first turn
 
   def end_kernel(self):
-    pl.when(self.wg == 0)(lambda: plgpu.barrier_wait(self.barrier))
-
-
-class _NamedBarrierTurns:
-  """The same turns through two named hardware barriers, one per consumer (FlashAttention-3's).
-
-  A consumer's turn starts with `bar.sync` on its own barrier and ends with
-  `bar.arrive` on the other's: turns are an item's first `Q K^T`, each
-  `P @ V` with the next `Q K^T`, and the last `P @ V`, alternating between the
-  consumers and across items. A consumer never arrives twice at a barrier
-  before the other has synced on it (it must sync on its own in between,
-  which needs the other's arrival), as named barriers require.
-  """
-
-  _THREADS = 2 * 128  # one consumer syncs, the other arrives
-
-  def __init__(self, wg):
-    self.wg = wg
-
-  def _own(self, op):
-    for c in range(NUM_CONSUMERS):
-      pl.when(self.wg == c)(lambda c=c: op(inline.FIRST_FREE_BARRIER_ID + c, self._THREADS))
-
-  def _pass_on(self):
-    for c in range(NUM_CONSUMERS):
-      other = inline.FIRST_FREE_BARRIER_ID + (c + 1) % NUM_CONSUMERS
-      pl.when(self.wg == c)(lambda other=other: inline.named_barrier_arrive(other, self._THREADS))
-
-  def start_kernel(self):
-    # Consumer 0 takes the first turn.
-    pl.when(self.wg == 1)(
-        lambda: inline.named_barrier_arrive(inline.FIRST_FREE_BARRIER_ID, self._THREADS))
-
-  def start_item(self, i):
-    del i
-    self._own(inline.named_barrier_sync)
-
-  def after_qk(self):
-    self._pass_on()
-
-  def before_pv(self, wait_for_v):
-    wait_for_v()
-    self._own(inline.named_barrier_sync)
-
-  def end_item(self, i):
-    del i
-    self._pass_on()
-
-  def end_kernel(self):
-    # Consume consumer 1's last pass, so no arrival is left pending.
-    pl.when(self.wg == 0)(
-        lambda: inline.named_barrier_sync(inline.FIRST_FREE_BARRIER_ID, self._THREADS))
+    pl.when(self.wg == 0)(lambda: self._sync(0))  # consumer 1's last pass, so none is pending
 
 
 def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
@@ -268,8 +226,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         jnp.where(is_user, user_full, cand_kv_len // block_kv),
         is_user, user_row)
 
-  turns = (_NamedBarrierTurns(wg) if config.named_barriers and not interpret
-           else _MbarrierTurns(wg, my_items, schedule))
+  turns = _Turns(wg, schedule, named=config.named_barriers and not interpret)
 
   def when_kind(item: _Item, for_cands, for_users):
     """Runs the candidate or the user variant of a step, by the item's kind."""
@@ -307,23 +264,47 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
 
       when_kind(item, lambda: load(q_ref, cand_rows), lambda: load(q_user_ref, own_rows))
 
+    def zero_logits():
+      return plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, block_kv), jnp.float32),
+                               plgpu.Layout.WGMMA)
+
+    def issue_qk(q_buf, slot, while_in_flight=lambda: None):
+      """`Q K^T` of query buffer `q_buf` and K slot `slot`; the turn passes on while it runs."""
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, qo_buffers.at[q_buf, wg], k_smem.at[slot].T)
+        with jax.named_scope("turn"):
+          turns.pass_on()
+        while_in_flight()
+        return acc_ref[...]
+
+      with jax.named_scope("qk"):
+        logits = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, block_kv), jnp.float32))
+        plgpu.barrier_arrive(k_consumed.at[slot])
+      return logits
+
     def item_body(i, carry):
       """One work item.
 
-      `carry` holds the K/V steps of earlier items (pipeline slots) and this
-      item's scalars read from global memory, read during the previous item so
-      that their latency is not paid at this item's start. (The index
-      arithmetic is redone: its divisibility is what lets the query copies
-      be checked for alignment at compile time.)
+      The items form one pipeline: an item's last step issues the next item's
+      first `Q K^T` (and this item's epilogue runs while the other consumer
+      uses the tensor cores), so the turns never restart. `carry` holds the
+      K/V steps of earlier items (pipeline slots), this item's scalars read
+      from global memory during the previous item (the index arithmetic is
+      redone: its divisibility is what lets the query copies be checked for
+      alignment at compile time), and this item's first logits when the
+      previous item issued them.
       """
-      first_step, loaded = carry
+      first_step, loaded, first_logits, have_first_logits = carry
       item = item_info(i)._replace(**loaded)
       next_item = item_info(jnp.minimum(i + 1, my_items - 1))
+      next_has_steps = (i + 1 < my_items) & (next_item.kv_steps > 0)
       tile, head, kv_len, kv_steps = item.tile, item.head, item.kv_len, item.kv_steps
       cand_rows, own_rows, row_start, user_rows = gmem_rows(item)
       buf = lax.rem(i, 2)
       qo_smem = qo_buffers.at[buf, wg]
       lse_smem = lse_buffers.at[buf, wg] if lse_ref is not None else None
+      slot_of = lambda step: lax.rem(first_step + step, stages)
 
       def prefetch_next_queries():
         # Item i + 1 loads while this one computes. Its buffer holds item i - 1's
@@ -333,23 +314,26 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           load_queries(next_item, 1 - buf)
 
+      def own_first_qk():
+        plgpu.barrier_wait(q_ready.at[buf * NUM_CONSUMERS + wg])
+
+        def issue():
+          plgpu.barrier_wait(k_ready.at[slot_of(0)])
+          turns.sync()
+          return issue_qk(buf, slot_of(0))
+
+        return lax.cond(kv_steps > 0, issue, zero_logits)
+
+      with jax.named_scope("item_start"):
+        logits = lax.cond(have_first_logits, lambda: first_logits, own_first_qk)
+        pl.when(kv_steps == 0)(prefetch_next_queries)
+
       rows = (BLOCK_ROWS,)
       m_i = plgpu.layout_cast(jnp.full(rows, -jnp.inf, jnp.float32),
                               plgpu.Layout.WGMMA.reduce(1))
       l_i = plgpu.layout_cast(jnp.full(rows, 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
       acc = plgpu.layout_cast(jnp.full((BLOCK_ROWS, head_dim), 0.0, jnp.float32),
                               plgpu.Layout.WGMMA)
-      slot_of = lambda step: lax.rem(first_step + step, stages)
-
-      with jax.named_scope("item_start"):
-        plgpu.barrier_wait(q_ready.at[buf * NUM_CONSUMERS + wg])
-        pl.when(kv_steps == 0)(prefetch_next_queries)
-
-        @pl.when(kv_steps > 0)
-        def _():
-          plgpu.barrier_wait(k_ready.at[slot_of(0)])
-
-        turns.start_item(i)
 
       def online_softmax(logits, m_i, l_i, step, masked: bool):
         """Folds K/V block `step`'s logits into the running max and sum: `(p, m, l, alpha)`."""
@@ -369,21 +353,8 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         return p.astype(dtype), m_new, l_i, alpha
 
       def kv_step(step, carry, masked: bool):
-        acc, m_i, l_i = carry
+        acc, m_i, l_i, logits = carry
         slot = slot_of(step)
-
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].T)
-          # While the tensor cores work. (Waiting a step longer for the previous
-          # item's stores measured no faster on the H200.)
-          pl.when(step == 0)(prefetch_next_queries)
-          with jax.named_scope("turn"):
-            turns.after_qk()
-          return acc_ref[...]
-
-        with jax.named_scope("qk"):
-          logits = pl.run_scoped(qk, plgpu.ACC((BLOCK_ROWS, block_kv), jnp.float32))
-          plgpu.barrier_arrive(k_consumed.at[slot])
         with jax.named_scope("softmax"):
           p16, m_new, l_i, alpha = online_softmax(logits, m_i, l_i, step, masked)
           acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -391,26 +362,43 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           # otherwise sink it past them and serialize the two consumers).
           acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
         with jax.named_scope("pv_wait"):
-          turns.before_pv(lambda: plgpu.barrier_wait(v_ready.at[slot]))
+          plgpu.barrier_wait(v_ready.at[slot])
+          turns.sync()
+
+        # The turn goes on with the next Q K^T: this item's next block, or the
+        # next item's first (its queries were copied in during this item's first step).
+        last = step + 1 == kv_steps
+        issue_next = jnp.logical_not(last) | next_has_steps
 
         def wait_next_k():
-          @pl.when(step + 1 < kv_steps)
-          def _():
-            plgpu.barrier_wait(k_ready.at[slot_of(step + 1)])
+          pl.when(issue_next)(lambda: plgpu.barrier_wait(k_ready.at[slot_of(step + 1)]))
 
         with jax.named_scope("pv"):
           acc = _accumulate_pv(acc, p16, v_smem.at[slot], then=wait_next_k, interpret=interpret)
           plgpu.barrier_arrive(v_consumed.at[slot])
-        return acc, m_new, l_i
+        # A one-step item must copy the next item's queries in before issuing its Q K^T.
+        pl.when((step == 0) & last)(prefetch_next_queries)
+        pl.when(last & next_has_steps)(
+            lambda: plgpu.barrier_wait(q_ready.at[(1 - buf) * NUM_CONSUMERS + wg]))
+
+        def next_qk():
+          # Other items copy them in while the tensor cores work on this Q K^T.
+          prefetch = lambda: pl.when((step == 0) & jnp.logical_not(last))(prefetch_next_queries)
+          return issue_qk(jnp.where(last, 1 - buf, buf), slot_of(step + 1), prefetch)
+
+        def pass_on():
+          turns.pass_on()
+          return zero_logits()
+
+        logits = lax.cond(issue_next, next_qk, pass_on)
+        return acc, m_new, l_i, logits
 
       full_steps = item.full_steps
       carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False),
-                            (acc, m_i, l_i))
-      acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps,
-                                    functools.partial(kv_step, masked=True), carry)
+                            (acc, m_i, l_i, logits))
+      acc, m_i, l_i, next_logits = lax.fori_loop(
+          full_steps, kv_steps, functools.partial(kv_step, masked=True), carry)
       with jax.named_scope("epilogue"):
-        turns.end_item(i)
-
         if row_sums_in_thread:
           l_i = inline.sum_row_partials(l_i)
         # A user with no valid key has l == 0: write zeros rather than 0/0.
@@ -442,12 +430,14 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
             plgpu.copy_smem_to_gmem(qo_smem.at[slot], out_user_ref.at[at])
 
         when_kind(item, store_cands, store_own_rows)
-      return first_step + kv_steps, _loaded_scalars(next_item)
+      return (first_step + kv_steps, _loaded_scalars(next_item), next_logits,
+              (kv_steps > 0) & next_has_steps)
 
     first_item = item_info(0)  # every program has at least one item
     load_queries(first_item, 0)
     turns.start_kernel()
-    lax.fori_loop(0, my_items, item_body, (jnp.int32(0), _loaded_scalars(first_item)))
+    lax.fori_loop(0, my_items, item_body,
+                  (jnp.int32(0), _loaded_scalars(first_item), zero_logits(), jnp.bool_(False)))
     turns.end_kernel()
     plgpu.wait_smem_to_gmem(0)
 
@@ -555,7 +545,7 @@ def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: 
          plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_arrivals=tiles.cands_per_block, num_barriers=2 * NUM_CONSUMERS)),
         (plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),) * 2,
-        plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+        plgpu.Barrier(num_barriers=NUM_CONSUMERS),  # the consumers' turns
         collective_axes="wg",
     )
 
