@@ -26,7 +26,7 @@ if has self_target; then
   tail -n 4 "$OUT/self_target_bench.log" | cut -c1-1500
 fi
 if has attention_diagnostics; then
-  timeout 300 python3 -m benchmarks.attention_diagnostics \
+  timeout 240 python3 -m benchmarks.attention_diagnostics \
     --out "$OUT/attention_diagnostics_h200.json" 2>&1 | grep "^S " | cut -c1-900
 fi
 if has attention_profile; then
@@ -37,7 +37,7 @@ if has attention_ncu; then
   # Nsight Compute on the target kernel at S=1024: stall reasons per SASS instruction.
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1)
   timeout 300 "$NCU" --clock-control none --kernel-name regex:ikbo_target_attention \
-    --launch-count "${NCU_LAUNCHES:-1}" --section SpeedOfLight --section WarpStateStats \
+    --launch-skip "${NCU_SKIP:-0}" --launch-count "${NCU_LAUNCHES:-1}" --section SpeedOfLight --section WarpStateStats \
     --section SchedulerStats --section InstructionStats --section SourceCounters \
     --section ComputeWorkloadAnalysis -f -o "$OUT/attention_ncu" \
     python3 -m benchmarks.attention_diagnostics --out /dev/null --once --seq-lens 1024 \
