@@ -25,10 +25,8 @@ from ikbo_jax.ops import target_attention_mosaic
 
 # The first config is the reference the others' outputs are compared with.
 CONFIGS = {
-    "mbarrier_lane_sums": kernel.Config(named_barriers=False, row_sums_in_thread=False),
-    "mbarrier": kernel.Config(named_barriers=False),
-    "lane_sums": kernel.Config(row_sums_in_thread=False),
     "default": kernel.Config(),
+    "mbarrier": kernel.Config(named_barriers=False),
 }
 
 

@@ -107,18 +107,24 @@ def _loaded_scalars(item: _Item) -> dict:
 _NO_LIMIT = 1 << 30
 
 
-def _accumulate_pv(acc, p, v_smem, *, then, interpret: bool):
-  """`acc + p @ v` (p in registers, v in shared memory), running `then()` meanwhile.
+def _accumulate_pv(acc, p, v_smem, *, before_issue, then, interpret: bool):
+  """`acc + p @ v` (p in registers, v in shared memory): `before_issue()`, the WGMMA, `then()`.
 
   On the GPU the WGMMA accumulates into `acc`'s registers in place while
-  `then()` runs. The interpreter takes WGMMA operands from shared memory only,
-  so there the same product is a plain dot.
+  `then()` runs. `before_issue()` runs after the WGMMA fence: ptxas must
+  finish writing `acc` and `p` before the fence, so work that produces them
+  (the rescale, the conversion to 16 bits) cannot sink past `before_issue()`
+  (a turn's barrier) and delay the issue once the turn has begun. The
+  interpreter takes WGMMA operands from shared memory only, so there the same
+  product is a plain dot.
   """
   if interpret:
+    before_issue()
     then()
     return acc + jnp.dot(p, v_smem[...], preferred_element_type=jnp.float32)
 
   def issue(acc_ref):
+    before_issue()
     plgpu.wgmma(acc_ref, p, v_smem)
     then()
 
@@ -363,7 +369,6 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
         with jax.named_scope("pv_wait"):
           plgpu.barrier_wait(v_ready.at[slot])
-          turns.sync()
 
         # The turn goes on with the next Q K^T: this item's next block, or the
         # next item's first (its queries were copied in during this item's first step).
@@ -374,7 +379,8 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           pl.when(issue_next)(lambda: plgpu.barrier_wait(k_ready.at[slot_of(step + 1)]))
 
         with jax.named_scope("pv"):
-          acc = _accumulate_pv(acc, p16, v_smem.at[slot], then=wait_next_k, interpret=interpret)
+          acc = _accumulate_pv(acc, p16, v_smem.at[slot], before_issue=turns.sync,
+                               then=wait_next_k, interpret=interpret)
           plgpu.barrier_arrive(v_consumed.at[slot])
         # A one-step item must copy the next item's queries in before issuing its Q K^T.
         pl.when((step == 0) & last)(prefetch_next_queries)
