@@ -39,12 +39,12 @@ if has attention_ncu; then
   timeout 300 "$NCU" --clock-control none --kernel-name regex:ikbo_target_attention \
     --launch-skip "${NCU_SKIP:-0}" --launch-count "${NCU_LAUNCHES:-1}" --section SpeedOfLight --section WarpStateStats \
     --section SchedulerStats --section InstructionStats --section SourceCounters \
-    --section ComputeWorkloadAnalysis -f -o "$OUT/attention_ncu" \
+    --section ComputeWorkloadAnalysis -f -o /tmp/attention_ncu \
     python3 -m benchmarks.attention_diagnostics --out /dev/null --once --seq-lens 1024 \
-    > "$OUT/ncu.log" 2>&1
-  tail -n 3 "$OUT/ncu.log"
-  "$NCU" -i "$OUT/attention_ncu.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
-  "$NCU" -i "$OUT/attention_ncu.ncu-rep" --page source --csv --print-source sass \
+    2>&1 | tail -n 3
+  # Only the two exports come back: $OUT returns at most 8 files.
+  "$NCU" -i /tmp/attention_ncu.ncu-rep --page details > "$OUT/ncu_details.txt" 2>&1
+  "$NCU" -i /tmp/attention_ncu.ncu-rep --page source --csv --print-source sass \
     > "$OUT/ncu_sass.csv" 2>&1
   grep -E "Duration|Registers Per|Issued Ipc|Warp Cycles Per Issued" "$OUT/ncu_details.txt"
 fi

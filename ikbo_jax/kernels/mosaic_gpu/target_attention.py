@@ -9,7 +9,7 @@ cuDNN on a packed layout, it needs no sorted or contiguous candidates).
 
 The consumers follow the FlashAttention-3 schedule: WGMMA for `Q K^T` and
 `P V` with float32 accumulators, the online softmax in base 2 with the logit
-scale folded into the exponent, and a schedule barrier that alternates the
+scale folded into the exponent, and turn barriers that alternate the
 two consumers between tensor-core work and softmax. Each consumer copies its
 candidates' query rows in by index, one item ahead (two buffers, so the copy
 hides behind the current item's first step), and stores output rows (and the
@@ -186,7 +186,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
             q_ref, k_ref, v_ref, user_kv_len_ref, q_user_ref, out_ref, lse_ref, out_user_ref,
             scoped, *, scale: float, slot_rows: int, causal: bool, config: Config,
             interpret: bool):
-  (qo_buffers, k_smem, v_smem, lse_buffers), (k_ready, v_ready, q_ready), consumed, schedule = scoped
+  (qo_buffers, k_smem, v_smem, lse_buffers), (k_ready, v_ready, q_ready), consumed, turn_barriers = scoped
   k_consumed, v_consumed = consumed
   wg = lax.axis_index("wg")
   head_dim, dtype = q_ref.shape[-1], q_ref.dtype
@@ -232,7 +232,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         jnp.where(is_user, user_full, cand_kv_len // block_kv),
         is_user, user_row)
 
-  turns = _Turns(wg, schedule, named=config.named_barriers and not interpret)
+  turns = _Turns(wg, turn_barriers, named=config.named_barriers and not interpret)
 
   def when_kind(item: _Item, for_cands, for_users):
     """Runs the candidate or the user variant of a step, by the item's kind."""
@@ -259,6 +259,9 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
                   for j in range(cands_per_block)]
       return cand_rows, own_rows, row_start, user_rows
 
+    def queries_ready(buf):
+      return q_ready.at[buf * NUM_CONSUMERS + wg]
+
     def load_queries(item: _Item, buf):
       """Starts the copy of `item`'s query rows into query buffer `buf`."""
       cand_rows, own_rows, _, _ = gmem_rows(item)
@@ -266,7 +269,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
       def load(src_ref, rows):
         for slot, at in zip(slots, rows):
           plgpu.copy_gmem_to_smem(src_ref.at[at], qo_buffers.at[buf, wg, slot],
-                                  q_ready.at[buf * NUM_CONSUMERS + wg])
+                                  queries_ready(buf))
 
       when_kind(item, lambda: load(q_ref, cand_rows), lambda: load(q_user_ref, own_rows))
 
@@ -321,7 +324,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           load_queries(next_item, 1 - buf)
 
       def own_first_qk():
-        plgpu.barrier_wait(q_ready.at[buf * NUM_CONSUMERS + wg])
+        plgpu.barrier_wait(queries_ready(buf))
 
         def issue():
           plgpu.barrier_wait(k_ready.at[slot_of(0)])
@@ -385,7 +388,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         # A one-step item must copy the next item's queries in before issuing its Q K^T.
         pl.when((step == 0) & last)(prefetch_next_queries)
         pl.when(last & next_has_steps)(
-            lambda: plgpu.barrier_wait(q_ready.at[(1 - buf) * NUM_CONSUMERS + wg]))
+            lambda: plgpu.barrier_wait(queries_ready(1 - buf)))
 
         def next_qk():
           # Other items copy them in while the tensor cores work on this Q K^T.
