@@ -26,7 +26,7 @@ from ikbo_jax.ops import target_attention_mosaic
 # The first config is the reference the others' outputs are compared with.
 CONFIGS = {
     "default": kernel.Config(),
-    "mbarrier": kernel.Config(named_barriers=False),
+    "overlap_softmax": kernel.Config(overlap_softmax=True),
 }
 
 

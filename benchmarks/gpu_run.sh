@@ -26,8 +26,12 @@ if has self_target; then
   tail -n 4 "$OUT/self_target_bench.log" | cut -c1-1500
 fi
 if has attention_diagnostics; then
-  timeout 240 python3 -m benchmarks.attention_diagnostics \
+  # ptxas's report on every kernel compiled: a WGMMA serialization warning (C7513) costs ~1.5x.
+  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=/tmp/ptxas_dump timeout 240 \
+    python3 -m benchmarks.attention_diagnostics \
     --out "$OUT/attention_diagnostics_h200.json" 2>&1 | grep "^S " | cut -c1-900
+  echo "ptxas warnings: $(cat /tmp/ptxas_dump/* 2>/dev/null | grep -ci warning)"
+  cat /tmp/ptxas_dump/* 2>/dev/null | grep -i warning | sort | uniq -c | cut -c1-300 | head -n 5
 fi
 if has attention_profile; then
   timeout 200 python3 -m benchmarks.attention_profile --out "$OUT/attention_profile_h200.json" \

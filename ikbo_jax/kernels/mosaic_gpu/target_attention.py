@@ -10,7 +10,9 @@ cuDNN on a packed layout, it needs no sorted or contiguous candidates).
 The consumers follow the FlashAttention-3 schedule: WGMMA for `Q K^T` and
 `P V` with float32 accumulators, the online softmax in base 2 with the logit
 scale folded into the exponent, and turn barriers that alternate the
-two consumers between tensor-core work and softmax. Each consumer copies its
+two consumers between tensor-core work and softmax (optionally also overlapping
+each consumer's softmax with its own previous `P V`, `Config.overlap_softmax`;
+see `attention_gemms`). Each consumer copies its
 candidates' query rows in by index, one item ahead (two buffers, so the copy
 hides behind the current item's first step), and stores output rows (and the
 lse) back by index, dropping the slots that only pad the block.
@@ -41,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ikbo_jax.kernels.mosaic_gpu import inline
+from ikbo_jax.kernels.mosaic_gpu.attention_gemms import Turns, accumulate_pv, overlapped_gemms
 from ikbo_jax.kernels.mosaic_gpu.common import (
     NUM_CONSUMERS, PRODUCER_REGISTERS, interpret_params, num_sms, smem_transforms)
 from ikbo_jax.query_tiles import QueryTiles
@@ -68,6 +71,12 @@ class Config:
   # Pass the consumers' turns with named hardware barriers rather than an
   # mbarrier in shared memory (GPU only; the interpreter uses the mbarrier).
   named_barriers: bool = True
+  # FlashAttention-3's intra-warpgroup overlap on top of the ping-pong: a turn
+  # issues block j's Q K^T and block j-1's P V together, and block j's softmax
+  # runs while that P V is on the tensor cores. Same bits as the ping-pong alone;
+  # H200 at the published shape: target 2% slower at S=512, equal at 1024, 2%
+  # faster at 4096, self + target 1-2% slower at each, so it is off.
+  overlap_softmax: bool = False
 
   def __post_init__(self):
     if self.block_kv % 64:
@@ -105,81 +114,6 @@ def _loaded_scalars(item: _Item) -> dict:
 
 # Stands for "no limit" in row/key position comparisons.
 _NO_LIMIT = 1 << 30
-
-
-def _accumulate_pv(acc, p, v_smem, *, before_issue, then, interpret: bool):
-  """`acc + p @ v` (p in registers, v in shared memory): `before_issue()`, the WGMMA, `then()`.
-
-  On the GPU the WGMMA accumulates into `acc`'s registers in place while
-  `then()` runs. `before_issue()` runs after the WGMMA fence: ptxas must
-  finish writing `acc` and `p` before the fence, so work that produces them
-  (the rescale, the conversion to 16 bits) cannot sink past `before_issue()`
-  (a turn's barrier) and delay the issue once the turn has begun. The
-  interpreter takes WGMMA operands from shared memory only, so there the same
-  product is a plain dot.
-  """
-  if interpret:
-    before_issue()
-    then()
-    return acc + jnp.dot(p, v_smem[...], preferred_element_type=jnp.float32)
-
-  def issue(acc_ref):
-    before_issue()
-    plgpu.wgmma(acc_ref, p, v_smem)
-    then()
-
-  return pl.run_state(issue)(plgpu.ACC.init(acc))
-
-
-class _Turns:
-  """The consumers' turns at the tensor cores, FlashAttention-3's ping-pong.
-
-  A turn is an item's first `Q K^T`, or a `P @ V` with the `Q K^T` after it
-  (the next block's, or the next item's first); the two consumers take turns
-  alternately, across items too, so each one's softmax runs while the other's
-  GEMMs do. A consumer syncs on its own barrier before its turn and arrives
-  at the other's after issuing it. A consumer never arrives twice at a
-  barrier before the other has synced on it (it must sync on its own in
-  between, which needs the other's arrival), as both barrier kinds need.
-
-  On the GPU the barriers are named hardware barriers (one instruction each
-  way); the interpreter, which has none, uses one mbarrier per consumer.
-  """
-
-  _THREADS = 2 * 128  # one consumer warpgroup syncs, the other arrives
-
-  def __init__(self, wg, mbarriers, named: bool):
-    self.wg, self.mbarriers, self.named = wg, mbarriers, named
-
-  def _for_each_consumer(self, op):
-    for c in range(NUM_CONSUMERS):
-      pl.when(self.wg == c)(lambda c=c: op(c))
-
-  def _sync(self, c):
-    if self.named:
-      inline.named_barrier_sync(inline.FIRST_FREE_BARRIER_ID + c, self._THREADS)
-    else:
-      plgpu.barrier_wait(self.mbarriers.at[c])
-
-  def _arrive(self, c):
-    if self.named:
-      inline.named_barrier_arrive(inline.FIRST_FREE_BARRIER_ID + c, self._THREADS)
-    else:
-      plgpu.barrier_arrive(self.mbarriers.at[c])
-
-  def sync(self):
-    """Waits for this consumer's turn."""
-    self._for_each_consumer(self._sync)
-
-  def pass_on(self):
-    """Ends this consumer's turn: the other's starts."""
-    self._for_each_consumer(lambda c: self._arrive((c + 1) % NUM_CONSUMERS))
-
-  def start_kernel(self):
-    pl.when(self.wg == 1)(lambda: self._arrive(0))  # consumer 0 takes the first turn
-
-  def end_kernel(self):
-    pl.when(self.wg == 0)(lambda: self._sync(0))  # consumer 1's last pass, so none is pending
 
 
 def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
@@ -232,7 +166,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         jnp.where(is_user, user_full, cand_kv_len // block_kv),
         is_user, user_row)
 
-  turns = _Turns(wg, turn_barriers, named=config.named_barriers and not interpret)
+  turns = Turns(wg, turn_barriers, named=config.named_barriers and not interpret)
 
   def when_kind(item: _Item, for_cands, for_users):
     """Runs the candidate or the user variant of a step, by the item's kind."""
@@ -359,22 +293,20 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(logits * (scale * _LOG2E) - lax.broadcast_in_dim(m_new, logits.shape, [0]))
         l_i = l_i * alpha + (inline.row_sums_in_thread(p) if row_sums_in_thread else p.sum(axis=1))
-        return p.astype(dtype), m_new, l_i, alpha
+        return p, m_new, l_i, alpha
 
-      def kv_step(step, carry, masked: bool):
-        acc, m_i, l_i, logits = carry
+      def rescale(acc, alpha):
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+      def pv_turn(step, acc, p16):
+        """The turn of block `step`'s `P V` and the `Q K^T` after it: `(acc + P V, its logits)`.
+
+        The turn goes on with this item's next block, or the next item's first
+        (its queries were copied in during this item's first step).
+        """
         slot = slot_of(step)
-        with jax.named_scope("softmax"):
-          p16, m_new, l_i, alpha = online_softmax(logits, m_i, l_i, step, masked)
-          acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-          # Keep the softmax ahead of the barriers below (the compiler would
-          # otherwise sink it past them and serialize the two consumers).
-          acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
         with jax.named_scope("pv_wait"):
           plgpu.barrier_wait(v_ready.at[slot])
-
-        # The turn goes on with the next Q K^T: this item's next block, or the
-        # next item's first (its queries were copied in during this item's first step).
         last = step + 1 == kv_steps
         issue_next = jnp.logical_not(last) | next_has_steps
 
@@ -382,7 +314,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           pl.when(issue_next)(lambda: plgpu.barrier_wait(k_ready.at[slot_of(step + 1)]))
 
         with jax.named_scope("pv"):
-          acc = _accumulate_pv(acc, p16, v_smem.at[slot], before_issue=turns.sync,
+          acc = accumulate_pv(acc, p16, v_smem.at[slot], before_issue=turns.sync,
                                then=wait_next_k, interpret=interpret)
           plgpu.barrier_arrive(v_consumed.at[slot])
         # A one-step item must copy the next item's queries in before issuing its Q K^T.
@@ -399,14 +331,75 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           turns.pass_on()
           return zero_logits()
 
-        logits = lax.cond(issue_next, next_qk, pass_on)
+        return acc, lax.cond(issue_next, next_qk, pass_on)
+
+      def kv_step(step, carry, masked: bool):
+        """Block `step`'s softmax, then its `P V` turn."""
+        acc, m_i, l_i, logits = carry
+        with jax.named_scope("softmax"):
+          p, m_new, l_i, alpha = online_softmax(logits, m_i, l_i, step, masked)
+          acc, p16 = rescale(acc, alpha), p.astype(dtype)
+          # Keep the softmax ahead of the barriers below (the compiler would
+          # otherwise sink it past them and serialize the two consumers).
+          acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+        acc, logits = pv_turn(step, acc, p16)
         return acc, m_new, l_i, logits
 
+      def overlapped_step(step, carry, masked: bool):
+        """Block `step`'s `Q K^T` and block `step - 1`'s `P V` in one turn, then block `step`'s softmax while `P V` runs."""
+        acc, m_i, l_i, p16 = carry
+        k_slot, v_slot = slot_of(step), slot_of(step - 1)
+        # Outside the GEMMs' window, whose lowering cannot close over the
+        # constants the copy's indexing holds.
+        pl.when(step == 1)(prefetch_next_queries)
+        with jax.named_scope("pv_wait"):
+          plgpu.barrier_wait(k_ready.at[k_slot])
+          plgpu.barrier_wait(v_ready.at[v_slot])
+
+        def issued():
+          with jax.named_scope("turn"):
+            turns.pass_on()
+
+        def softmax(logits):
+          plgpu.barrier_arrive(k_consumed.at[k_slot])
+          with jax.named_scope("softmax"):
+            # Ahead of the wait for P V, which the compiler would otherwise sink it past.
+            return lax.optimization_barrier(online_softmax(logits, m_i, l_i, step, masked))
+
+        with jax.named_scope("gemms"):
+          (p, m_new, l_i, alpha), acc = overlapped_gemms(
+              acc, p16, q_smem=qo_smem, k_smem=k_smem.at[k_slot], v_smem=v_smem.at[v_slot],
+              before_issue=turns.sync, issued=issued, on_logits=softmax,
+              result_like=(zero_logits(), m_i, l_i, m_i), interpret=interpret)
+        plgpu.barrier_arrive(v_consumed.at[v_slot])
+        return rescale(acc, alpha), m_new, l_i, p.astype(dtype)
+
       full_steps = item.full_steps
-      carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False),
-                            (acc, m_i, l_i, logits))
-      acc, m_i, l_i, next_logits = lax.fori_loop(
-          full_steps, kv_steps, functools.partial(kv_step, masked=True), carry)
+      carry = (acc, m_i, l_i, logits)
+      if config.overlap_softmax:
+
+        def overlapped_steps(acc, m_i, l_i, logits):
+          def first_softmax(masked: bool):
+            def softmax():
+              p, m, l, _ = online_softmax(logits, m_i, l_i, 0, masked)
+              return p.astype(dtype), m, l
+            return softmax
+
+          p16, m_i, l_i = lax.cond(full_steps > 0, first_softmax(False), first_softmax(True))
+          first_masked = jnp.maximum(full_steps, 1)
+          carry = lax.fori_loop(1, first_masked, functools.partial(overlapped_step, masked=False),
+                                (acc, m_i, l_i, p16))
+          acc, m_i, l_i, p16 = lax.fori_loop(
+              first_masked, kv_steps, functools.partial(overlapped_step, masked=True), carry)
+          acc, next_logits = pv_turn(kv_steps - 1, acc, p16)
+          return acc, m_i, l_i, next_logits
+
+        acc, m_i, l_i, next_logits = lax.cond(
+            kv_steps > 0, overlapped_steps, lambda *carry: carry, *carry)
+      else:
+        carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False), carry)
+        acc, m_i, l_i, next_logits = lax.fori_loop(
+            full_steps, kv_steps, functools.partial(kv_step, masked=True), carry)
       with jax.named_scope("epilogue"):
         if row_sums_in_thread:
           l_i = inline.sum_row_partials(l_i)
