@@ -27,11 +27,17 @@ if has self_target; then
 fi
 if has attention_diagnostics; then
   # ptxas's report on every kernel compiled: a WGMMA serialization warning (C7513) costs ~1.5x.
+  # The report goes to dump files or to stdout, so both are searched.
+  rm -rf /tmp/ptxas_dump
   MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=/tmp/ptxas_dump timeout 240 \
     python3 -m benchmarks.attention_diagnostics \
-    --out "$OUT/attention_diagnostics_h200.json" 2>&1 | grep "^S " | cut -c1-900
-  echo "ptxas warnings: $(cat /tmp/ptxas_dump/* 2>/dev/null | grep -ci warning)"
-  cat /tmp/ptxas_dump/* 2>/dev/null | grep -i warning | sort | uniq -c | cut -c1-300 | head -n 5
+    --out "$OUT/attention_diagnostics_h200.json" > /tmp/attention_diagnostics.log 2>&1
+  grep -o "S [0-9]* {.*" /tmp/attention_diagnostics.log | cut -c1-900
+  REPORTS=$(ls /tmp/ptxas_dump 2>/dev/null | wc -l)
+  echo "ptxas: $REPORTS dump files, $(grep -c "ptxas" /tmp/attention_diagnostics.log) log lines;" \
+    "warnings: $(cat /tmp/ptxas_dump/* /tmp/attention_diagnostics.log 2>/dev/null | grep -ci warning)"
+  cat /tmp/ptxas_dump/* /tmp/attention_diagnostics.log 2>/dev/null | grep -i warning | sort \
+    | uniq -c | cut -c1-300 | head -n 5
 fi
 if has attention_profile; then
   timeout 200 python3 -m benchmarks.attention_profile --out "$OUT/attention_profile_h200.json" \

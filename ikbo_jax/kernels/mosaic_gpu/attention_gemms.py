@@ -19,6 +19,10 @@ from ikbo_jax.kernels.mosaic_gpu import inline
 from ikbo_jax.kernels.mosaic_gpu.common import NUM_CONSUMERS
 
 
+def _plain_pv(acc, p, v_smem):
+  return acc + jnp.dot(p, v_smem[...], preferred_element_type=jnp.float32)
+
+
 def accumulate_pv(acc, p, v_smem, *, before_issue, then, interpret: bool):
   """`acc + p @ v` (p in registers, v in shared memory): `before_issue()`, the WGMMA, `then()`.
 
@@ -31,7 +35,7 @@ def accumulate_pv(acc, p, v_smem, *, before_issue, then, interpret: bool):
   if interpret:
     before_issue()
     then()
-    return acc + jnp.dot(p, v_smem[...], preferred_element_type=jnp.float32)
+    return _plain_pv(acc, p, v_smem)
 
   def issue(acc_ref):
     before_issue()
@@ -58,7 +62,7 @@ def overlapped_gemms(acc, p, *, q_smem, k_smem, v_smem, before_issue, issued, on
     before_issue()
     issued()
     result = on_logits(jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32))
-    return result, acc + jnp.dot(p, v_smem[...], preferred_element_type=jnp.float32)
+    return result, _plain_pv(acc, p, v_smem)
 
   def body(refs):
     acc_ref, result_refs = refs
@@ -83,7 +87,8 @@ class Turns:
   """The consumers' turns at the tensor cores, FlashAttention-3's ping-pong.
 
   A turn is an item's first `Q K^T`, or a `P @ V` with the `Q K^T` after it
-  (the next block's, or the next item's first); the two consumers take turns
+  (the next block's, or the next item's first), or with the overlap a `Q K^T`
+  with the previous block's `P @ V` (`overlapped_gemms`); the two consumers take turns
   alternately, across items too, so each one's softmax runs while the other's
   GEMMs do. A consumer syncs on its own barrier before its turn and arrives
   at the other's after issuing it. A consumer never arrives twice at a
