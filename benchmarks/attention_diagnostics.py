@@ -26,6 +26,7 @@ from ikbo_jax.ops import target_attention_mosaic
 # The first config is the reference the others' outputs are compared with.
 CONFIGS = {
     "default": kernel.Config(),
+    "eager_rescale": kernel.Config(lazy_rescale=False),
     "overlap_softmax": kernel.Config(overlap_softmax=True),
 }
 
@@ -46,9 +47,10 @@ def kernel_steps(seq_len: int, config: kernel.Config, shape=PUBLISHED) -> dict:
   }
 
 
-def run(seq_len, iterations, shape=PUBLISHED):
+def run(seq_len, iterations, configs, shape=PUBLISHED):
   rows, outputs = {}, {}
-  for name, config in CONFIGS.items():
+  for name in configs:
+    config = CONFIGS[name]
     for kind, (fn, operands) in kernel_steps(seq_len, config, shape).items():
       try:
         rows[f"{kind}/{name}"] = common.median_ms(fn, *operands, iterations=iterations)[0]
@@ -68,18 +70,20 @@ def main():
   parser.add_argument("--out", required=True)
   parser.add_argument("--seq-lens", type=int, nargs="*", default=(512, 1024, 4096))
   parser.add_argument("--iterations", type=int, default=30)
+  parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS),
+                      help="the first is the reference for the others' outputs")
   parser.add_argument("--once", action="store_true",
                       help="run each config's target kernel once, untimed (for a profiler such as ncu)")
   args = parser.parse_args()
   if args.once:
     for seq_len in args.seq_lens:
-      for config in CONFIGS.values():
-        fn, operands = kernel_steps(seq_len, config)["target"]
+      for name in args.configs:
+        fn, operands = kernel_steps(seq_len, CONFIGS[name])["target"]
         jax.block_until_ready(fn(*operands))
     return
-  payload = dict(**common.metadata(), shape=PUBLISHED, configs=list(CONFIGS), rows={})
+  payload = dict(**common.metadata(), shape=PUBLISHED, configs=args.configs, rows={})
   for seq_len in args.seq_lens:
-    payload["rows"][seq_len] = run(seq_len, args.iterations)
+    payload["rows"][seq_len] = run(seq_len, args.iterations, args.configs)
     print("S", seq_len, {k: round(v, 4) if isinstance(v, float) else v
                          for k, v in payload["rows"][seq_len].items()}, flush=True)
     common.write_json(args.out, payload)

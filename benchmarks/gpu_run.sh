@@ -3,7 +3,7 @@
 # the call is cut short), then GPU tests, the demo and the linear-compression diagnostics. Results go to $OUT.
 # Set IKBO_COMMIT (the device copy has no .git). STEPS picks what runs, by default
 # "lc attention self_target tests demo diagnostics"; also "attention_tests" (the attention GPU
-# tests only), "attention_diagnostics", "attention_profile" and "attention_ncu" (Nsight Compute). BENCH_ARGS=--no-sweeps shortens the lc step.
+# tests only), "attention_diagnostics", "attention_profile" and "attention_ncu" (Nsight Compute). DIAG_ARGS go to the attention diagnostics. BENCH_ARGS=--no-sweeps shortens the lc step.
 set -uo pipefail
 OUT=${OUT:-/tmp/ikbo_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -30,7 +30,7 @@ if has attention_diagnostics; then
   # The report goes to dump files or to stdout, so both are searched.
   rm -rf /tmp/ptxas_dump
   MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=/tmp/ptxas_dump timeout 240 \
-    python3 -m benchmarks.attention_diagnostics \
+    python3 -m benchmarks.attention_diagnostics ${DIAG_ARGS:-} \
     --out "$OUT/attention_diagnostics_h200.json" > /tmp/attention_diagnostics.log 2>&1
   grep -o "S [0-9]* {.*" /tmp/attention_diagnostics.log | cut -c1-900
   REPORTS=$(ls /tmp/ptxas_dump 2>/dev/null | wc -l)
@@ -46,17 +46,22 @@ fi
 if has attention_ncu; then
   # Nsight Compute on the target kernel at S=1024: stall reasons per SASS instruction.
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1)
-  timeout 300 "$NCU" --clock-control none --kernel-name regex:ikbo_target_attention \
+  rm -rf /tmp/ncu_dump
+  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=/tmp/ncu_dump \
+    timeout 300 "$NCU" --clock-control none --kernel-name regex:ikbo_target_attention \
     --launch-skip "${NCU_SKIP:-0}" --launch-count "${NCU_LAUNCHES:-1}" --section SpeedOfLight --section WarpStateStats \
     --section SchedulerStats --section InstructionStats --section SourceCounters \
     --section ComputeWorkloadAnalysis -f -o /tmp/attention_ncu \
-    python3 -m benchmarks.attention_diagnostics --out /dev/null --once --seq-lens 1024 \
+    python3 -m benchmarks.attention_diagnostics --out /dev/null --once --seq-lens 1024 --configs default \
     2>&1 | tail -n 3
   # Only the two exports come back: $OUT returns at most 8 files.
   "$NCU" -i /tmp/attention_ncu.ncu-rep --page details > "$OUT/ncu_details.txt" 2>&1
   "$NCU" -i /tmp/attention_ncu.ncu-rep --page source --csv --print-source sass \
     > "$OUT/ncu_sass.csv" 2>&1
   grep -E "Duration|Registers Per|Issued Ipc|Warp Cycles Per Issued" "$OUT/ncu_details.txt"
+  # The kernel's SASS and ptxas report (registers, spills), as one file.
+  tar czf "$OUT/mosaic_dump.tgz" -C /tmp ncu_dump 2>/dev/null
+  grep -h -i "spill\|registers" /tmp/ncu_dump/* 2>/dev/null | sort | uniq -c | head -n 6
 fi
 if has tests; then
   timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -q -p no:cacheprovider tests -m gpu -rA 2>&1 \

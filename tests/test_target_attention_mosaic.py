@@ -166,3 +166,24 @@ def test_interpret_overlapped_softmax_equals_ping_pong():
       config=Config(overlap_softmax=overlap), interpret=True) for overlap in (True, False)]
   for overlapped, ping_pong in zip(*outs):
     np.testing.assert_array_equal(overlapped, ping_pong)
+
+
+def test_interpret_lazy_rescale_within_reference_error():
+  """The running max kept until a block's exceeds it by 2**8 (the default) against eager
+  rescaling and the float32 reference, with logits spread wide enough (scaled queries) that
+  some blocks move the max and others do not."""
+  from ikbo_jax.kernels.mosaic_gpu.target_attention import Config
+  from ikbo_jax.ops import target_attention_mosaic
+  (q, k, v), index = _problem(8, num_users=3, num_cands=7, t=32, s=384, h=1, d=64)
+  q = (q.astype(jnp.float32) * 4).astype(q.dtype)
+  kv_len = jnp.array([384, 200, 0])
+  out, lse = target_attention_mosaic.forward(
+      q, k, v, index, kv_len, scale=0.125, save_lse=True, config=Config(), interpret=True)
+  _, eager_lse = target_attention_mosaic.forward(
+      q, k, v, index, kv_len, scale=0.125, save_lse=True, config=Config(lazy_rescale=False),
+      interpret=True)
+  same, f32 = [target_attention(*[a.astype(dtype) for a in (q, k, v)], index, kv_len=kv_len,
+                                scale=0.125, implementation="xla")
+               for dtype in (q.dtype, jnp.float32)]
+  assert_within_reference_error(out, same, f32, floor=1e-3)
+  np.testing.assert_allclose(lse, eager_lse, rtol=1e-5, atol=1e-5)

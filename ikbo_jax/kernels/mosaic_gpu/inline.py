@@ -4,6 +4,9 @@
   share a row holds the sum of its own columns only, so an online softmax can
   accumulate them step after step and exchange lanes once at the end instead
   of twice per step (as FlashAttention does).
+- `rescale_rows`: the online softmax's `acc *= alpha`, skipped by each warp
+  whose rows all have `alpha == 1` (multiplying by 1 is exact, so the bits
+  do not change).
 - Named hardware barriers (`bar.sync` / `bar.arrive`) for the consumers'
   schedule: one instruction each way, where an mbarrier in shared memory costs
   an atomic and a polling loop.
@@ -22,7 +25,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, vector
+from jax._src.lib.mlir.dialects import arith, llvm, scf, vector
 
 # Barrier 0 is the CTA-wide barrier and 1-4 are Mosaic GPU's per-warpgroup ones.
 FIRST_FREE_BARRIER_ID = 8
@@ -93,6 +96,52 @@ def sum_row_partials(partials: jnp.ndarray) -> jnp.ndarray:
     return mgpu.FragmentedArray(_registers=regs, _layout=partials.layout, _is_signed=None)
 
   return exchange(partials)
+
+
+def _splat(value, like):
+  return arith.constant(like.type, ir.DenseElementsAttr.get_splat(
+      like.type, ir.FloatAttr.get(ir.F32Type.get(), value)))
+
+
+def _warp_any(pred):
+  """Whether `pred` (i1) holds in any lane of the warp."""
+  i32 = ir.IntegerType.get_signless(32)
+  flag = llvm.inline_asm(
+      i32, [arith.extui(i32, pred)],
+      "{ .reg .pred p; setp.ne.u32 p, $1, 0; vote.sync.any.pred p, p, 0xffffffff;"
+      " selp.u32 $0, 1, 0, p; }", "=r,r", convergent=True)
+  return arith.cmpi(arith.CmpIPredicate.ne, flag, arith.constant(i32, 0))
+
+
+def rescale_rows(acc: jnp.ndarray, alpha: jnp.ndarray) -> jnp.ndarray:
+  """`acc * alpha[:, None]` for `acc [64, N]` (WGMMA layout), skipped by warps whose `alpha` is all 1."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, _row_layout()),
+                     return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32,
+                                                        layout=plgpu.Layout.WGMMA))
+  def rescale(_, acc: mgpu.FragmentedArray, alpha: mgpu.FragmentedArray):
+    one = None
+    changed = None
+    for reg in alpha.registers.flat:
+      one = one if one is not None else _splat(1.0, reg)
+      [vec_len] = ir.VectorType(reg.type).shape
+      for j in range(vec_len):
+        at = ir.DenseI64ArrayAttr.get([j])
+        ne = arith.cmpf(arith.CmpFPredicate.UNE,
+                        vector.extract(reg, dynamic_position=[], static_position=at),
+                        vector.extract(one, dynamic_position=[], static_position=at))
+        changed = ne if changed is None else arith.ori(changed, ne)
+    scaled = acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)
+    flat = list(acc.registers.flat)
+    if_op = scf.IfOp(_warp_any(changed), [r.type for r in flat], has_else=True)
+    with ir.InsertionPoint(if_op.then_block):
+      scf.yield_(list(scaled.registers.flat))
+    with ir.InsertionPoint(if_op.else_block):
+      scf.yield_(flat)
+    regs = np.array(list(if_op.results), dtype=object).reshape(acc.registers.shape)
+    return mgpu.FragmentedArray(_registers=regs, _layout=acc.layout, _is_signed=None)
+
+  return rescale(acc, alpha)
 
 
 def _barrier_instruction(instruction: str, barrier_id: int, num_threads: int):
