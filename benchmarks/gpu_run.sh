@@ -33,6 +33,7 @@ if has attention_diagnostics; then
     python3 -m benchmarks.attention_diagnostics ${DIAG_ARGS:-} \
     --out "$OUT/attention_diagnostics_h200.json" > /tmp/attention_diagnostics.log 2>&1
   grep -o "S [0-9]* {.*" /tmp/attention_diagnostics.log | cut -c1-900
+  grep -i "spill" /tmp/attention_diagnostics.log | sort | uniq -c | head -n 4
   REPORTS=$(ls /tmp/ptxas_dump 2>/dev/null | wc -l)
   echo "ptxas: $REPORTS dump files, $(grep -c "ptxas" /tmp/attention_diagnostics.log) log lines;" \
     "warnings: $(cat /tmp/ptxas_dump/* /tmp/attention_diagnostics.log 2>/dev/null | grep -ci warning)"
@@ -46,22 +47,20 @@ fi
 if has attention_ncu; then
   # Nsight Compute on the target kernel at S=1024: stall reasons per SASS instruction.
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1)
-  rm -rf /tmp/ncu_dump
-  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=/tmp/ncu_dump \
-    timeout 300 "$NCU" --clock-control none --kernel-name regex:ikbo_target_attention \
+  # ptxas's report (registers, spills) goes to the program's output, kept in /tmp.
+  MOSAIC_GPU_DUMP_PTXAS=1 timeout 300 "$NCU" --clock-control none --kernel-name regex:ikbo_target_attention \
     --launch-skip "${NCU_SKIP:-0}" --launch-count "${NCU_LAUNCHES:-1}" --section SpeedOfLight --section WarpStateStats \
     --section SchedulerStats --section InstructionStats --section SourceCounters \
     --section ComputeWorkloadAnalysis -f -o /tmp/attention_ncu \
     python3 -m benchmarks.attention_diagnostics --out /dev/null --once --seq-lens 1024 --configs default \
-    2>&1 | tail -n 3
+    > /tmp/attention_ncu.log 2>&1
+  tail -n 3 /tmp/attention_ncu.log
+  grep -i "spill\|registers" /tmp/attention_ncu.log | sort | uniq -c | head -n 6
   # Only the two exports come back: $OUT returns at most 8 files.
   "$NCU" -i /tmp/attention_ncu.ncu-rep --page details > "$OUT/ncu_details.txt" 2>&1
   "$NCU" -i /tmp/attention_ncu.ncu-rep --page source --csv --print-source sass \
     > "$OUT/ncu_sass.csv" 2>&1
   grep -E "Duration|Registers Per|Issued Ipc|Warp Cycles Per Issued" "$OUT/ncu_details.txt"
-  # The kernel's SASS and ptxas report (registers, spills), as one file.
-  tar czf "$OUT/mosaic_dump.tgz" -C /tmp ncu_dump 2>/dev/null
-  grep -h -i "spill\|registers" /tmp/ncu_dump/* 2>/dev/null | sort | uniq -c | head -n 6
 fi
 if has tests; then
   timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -q -p no:cacheprovider tests -m gpu -rA 2>&1 \

@@ -154,18 +154,22 @@ def test_interpret_persistent_equals_one_cta_per_item(t):
   np.testing.assert_array_equal(lse, ref_lse)
 
 
-def test_interpret_overlapped_softmax_equals_ping_pong():
-  """The intra-warpgroup overlap reorders the GEMMs, not the arithmetic: the same bits,
-  for jagged lengths (a one-block user, an empty one) and a one-step item."""
+@pytest.mark.parametrize("schedule", ["overlap_softmax", "epilogue_under_qk", "both"])
+def test_interpret_reordered_schedule_equals_default(schedule):
+  """The intra-warpgroup overlap reorders the GEMMs, and the epilogue under the next item's
+  first Q K^T moves the stores, not the arithmetic: the same bits, for jagged lengths (a
+  one-block user, an empty one) and a one-step item."""
   from ikbo_jax.kernels.mosaic_gpu.target_attention import Config
   from ikbo_jax.ops import target_attention_mosaic
   (q, k, v), index = _problem(7, num_users=4, num_cands=9, t=32, s=384, h=2, d=64)
   kv_len = jnp.array([384, 1, 0, 131])
+  options = (dict(overlap_softmax=True, epilogue_under_qk=True) if schedule == "both"
+             else {schedule: True})
   outs = [target_attention_mosaic.forward(
-      q, k, v, index, kv_len, scale=0.125, save_lse=True,
-      config=Config(overlap_softmax=overlap), interpret=True) for overlap in (True, False)]
-  for overlapped, ping_pong in zip(*outs):
-    np.testing.assert_array_equal(overlapped, ping_pong)
+      q, k, v, index, kv_len, scale=0.125, save_lse=True, config=config, interpret=True)
+      for config in (Config(**options), Config())]
+  for reordered, default in zip(*outs):
+    np.testing.assert_array_equal(reordered, default)
 
 
 def test_interpret_lazy_rescale_within_reference_error():

@@ -84,6 +84,9 @@ class Config:
   # theirs skips `acc *= alpha` (`inline.rescale_rows`, GPU only). H200 at the
   # published shape: target 2.3-2.8% faster at S=512/1024/4096, self + target 0.3-1.6%.
   lazy_rescale: bool = True
+  # Run an item's epilogue while the next item's first `Q K^T` is on the tensor
+  # cores, rather than after it.
+  epilogue_under_qk: bool = False
 
   def __post_init__(self):
     if self.block_kv % 64:
@@ -312,11 +315,47 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           return inline.rescale_rows(acc, alpha)
         return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-      def pv_turn(step, acc, p16):
+      def epilogue(acc, m_i, l_i):
+        """Normalizes the finished rows and stores them (and the lse) by index."""
+        with jax.named_scope("epilogue"):
+          if row_sums_in_thread:
+            l_i = inline.sum_row_partials(l_i)
+          # A user with no valid key has l == 0: write zeros rather than 0/0.
+          l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
+          # One reciprocal per row and a multiply per element: a division per
+          # element would cost a special-function instruction each.
+          acc *= lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+          if q_user_ref is not None:
+            # User query rows past the user's length are padding: zeros, as in the reference.
+            row = plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=plgpu.Layout.WGMMA)
+            acc = jnp.where(row + user_rows < jnp.where(item.is_user, kv_len, _NO_LIMIT), acc, 0.0)
+          qo_smem[...] = acc.astype(dtype)
+          if lse_ref is not None:
+            lse_smem[...] = (m_i + jnp.log2(l_i)) / _LOG2E
+          plgpu.commit_smem()
+
+          def store_cands():
+            num_valid = num_valid_ref[tile, wg]
+            for j, (slot, at) in enumerate(zip(slots, cand_rows)):
+              @pl.when(j < num_valid)
+              def _store():
+                plgpu.copy_smem_to_gmem(qo_smem.at[slot], out_ref.at[at])
+                if lse_ref is not None:
+                  plgpu.copy_smem_to_gmem(lse_smem.at[slot],
+                                          lse_ref.at[at[0], head, pl.ds(row_start, slot_rows)])
+
+          def store_own_rows():
+            for slot, at in zip(slots, own_rows):
+              plgpu.copy_smem_to_gmem(qo_smem.at[slot], out_user_ref.at[at])
+
+          when_kind(item, store_cands, store_own_rows)
+
+      def pv_turn(step, acc, p16, m_i, l_i):
         """The turn of block `step`'s `P V` and the `Q K^T` after it: `(acc + P V, its logits)`.
 
         The turn goes on with this item's next block, or the next item's first
-        (its queries were copied in during this item's first step).
+        (its queries were copied in during this item's first step). `m_i, l_i`
+        are final at the last step, whose epilogue may run under that `Q K^T`.
         """
         slot = slot_of(step)
         with jax.named_scope("pv_wait"):
@@ -337,9 +376,13 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
             lambda: plgpu.barrier_wait(queries_ready(1 - buf)))
 
         def next_qk():
-          # Other items copy them in while the tensor cores work on this Q K^T.
-          prefetch = lambda: pl.when((step == 0) & jnp.logical_not(last))(prefetch_next_queries)
-          return issue_qk(jnp.where(last, 1 - buf, buf), slot_of(step + 1), prefetch)
+          def while_in_flight():
+            # Other items copy them in while the tensor cores work on this Q K^T.
+            pl.when((step == 0) & jnp.logical_not(last))(prefetch_next_queries)
+            if config.epilogue_under_qk:
+              pl.when(last)(lambda: epilogue(acc, m_i, l_i))
+
+          return issue_qk(jnp.where(last, 1 - buf, buf), slot_of(step + 1), while_in_flight)
 
         def pass_on():
           turns.pass_on()
@@ -356,7 +399,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           # Keep the softmax ahead of the barriers below (the compiler would
           # otherwise sink it past them and serialize the two consumers).
           acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-        acc, logits = pv_turn(step, acc, p16)
+        acc, logits = pv_turn(step, acc, p16, m_new, l_i)
         return acc, m_new, l_i, logits
 
       def overlapped_step(step, carry, masked: bool):
@@ -405,7 +448,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
                                 (acc, m_i, l_i, p16))
           acc, m_i, l_i, p16 = lax.fori_loop(
               first_masked, kv_steps, functools.partial(overlapped_step, masked=True), carry)
-          acc, next_logits = pv_turn(kv_steps - 1, acc, p16)
+          acc, next_logits = pv_turn(kv_steps - 1, acc, p16, m_i, l_i)
           return acc, m_i, l_i, next_logits
 
         acc, m_i, l_i, next_logits = lax.cond(
@@ -414,38 +457,11 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False), carry)
         acc, m_i, l_i, next_logits = lax.fori_loop(
             full_steps, kv_steps, functools.partial(kv_step, masked=True), carry)
-      with jax.named_scope("epilogue"):
-        if row_sums_in_thread:
-          l_i = inline.sum_row_partials(l_i)
-        # A user with no valid key has l == 0: write zeros rather than 0/0.
-        l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
-        # One reciprocal per row and a multiply per element: a division per
-        # element would cost a special-function instruction each.
-        acc *= lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-        if q_user_ref is not None:
-          # User query rows past the user's length are padding: zeros, as in the reference.
-          row = plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=plgpu.Layout.WGMMA)
-          acc = jnp.where(row + user_rows < jnp.where(item.is_user, kv_len, _NO_LIMIT), acc, 0.0)
-        qo_smem[...] = acc.astype(dtype)
-        if lse_ref is not None:
-          lse_smem[...] = (m_i + jnp.log2(l_i)) / _LOG2E
-        plgpu.commit_smem()
-
-        def store_cands():
-          num_valid = num_valid_ref[tile, wg]
-          for j, (slot, at) in enumerate(zip(slots, cand_rows)):
-            @pl.when(j < num_valid)
-            def _store():
-              plgpu.copy_smem_to_gmem(qo_smem.at[slot], out_ref.at[at])
-              if lse_ref is not None:
-                plgpu.copy_smem_to_gmem(lse_smem.at[slot],
-                                        lse_ref.at[at[0], head, pl.ds(row_start, slot_rows)])
-
-        def store_own_rows():
-          for slot, at in zip(slots, own_rows):
-            plgpu.copy_smem_to_gmem(qo_smem.at[slot], out_user_ref.at[at])
-
-        when_kind(item, store_cands, store_own_rows)
+      if config.epilogue_under_qk:
+        pl.when(jnp.logical_not((kv_steps > 0) & next_has_steps))(
+            lambda: epilogue(acc, m_i, l_i))
+      else:
+        epilogue(acc, m_i, l_i)
       return (first_step + kv_steps, _loaded_scalars(next_item), next_logits,
               (kv_steps > 0) & next_has_steps)
 
