@@ -66,7 +66,7 @@ def test_interpret_forward(causal, t):
 @pytest.mark.parametrize("schedule", ["overlap_softmax", "epilogue_under_qk"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_interpret_reordered_schedule_equals_default(causal, schedule):
-  """User tiles and candidate tiles in one launch: the reordered schedules give the default's bits."""
+  """User and candidate tiles in one launch: the reordered schedules keep the default's bits."""
   from ikbo_jax.kernels.mosaic_gpu.target_attention import Config
   from ikbo_jax.ops import target_attention_mosaic
   (q_user, q, k, v), index = _problem(3, num_users=3, num_cands=7, t=32, s=256, h=1, d=64)

@@ -98,11 +98,6 @@ def sum_row_partials(partials: jnp.ndarray) -> jnp.ndarray:
   return exchange(partials)
 
 
-def _splat(value, like):
-  return arith.constant(like.type, ir.DenseElementsAttr.get_splat(
-      like.type, ir.FloatAttr.get(ir.F32Type.get(), value)))
-
-
 def _warp_any(pred):
   """Whether `pred` (i1) holds in any lane of the warp."""
   i32 = ir.IntegerType.get_signless(32)
@@ -114,27 +109,27 @@ def _warp_any(pred):
 
 
 def rescale_rows(acc: jnp.ndarray, alpha: jnp.ndarray) -> jnp.ndarray:
-  """`acc * alpha[:, None]` for `acc [64, N]` (WGMMA layout), skipped by warps whose `alpha` is all 1."""
+  """`acc * alpha[:, None]` for `acc [64, N]` in the WGMMA layout.
+
+  A warp whose `alpha` is 1 in every lane branches past the multiplies.
+  """
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, _row_layout()),
                      return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32,
                                                         layout=plgpu.Layout.WGMMA))
   def rescale(_, acc: mgpu.FragmentedArray, alpha: mgpu.FragmentedArray):
-    one = None
+    one = arith.constant(ir.F32Type.get(), 1.0)
     changed = None
     for reg in alpha.registers.flat:
-      one = one if one is not None else _splat(1.0, reg)
-      [vec_len] = ir.VectorType(reg.type).shape
-      for j in range(vec_len):
-        at = ir.DenseI64ArrayAttr.get([j])
-        ne = arith.cmpf(arith.CmpFPredicate.UNE,
-                        vector.extract(reg, dynamic_position=[], static_position=at),
-                        vector.extract(one, dynamic_position=[], static_position=at))
+      for j in range(ir.VectorType(reg.type).shape[0]):
+        elem = vector.extract(reg, dynamic_position=[],
+                              static_position=ir.DenseI64ArrayAttr.get([j]))
+        ne = arith.cmpf(arith.CmpFPredicate.UNE, elem, one)
         changed = ne if changed is None else arith.ori(changed, ne)
-    scaled = acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)
     flat = list(acc.registers.flat)
     if_op = scf.IfOp(_warp_any(changed), [r.type for r in flat], has_else=True)
     with ir.InsertionPoint(if_op.then_block):
+      scaled = acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)
       scf.yield_(list(scaled.registers.flat))
     with ir.InsertionPoint(if_op.else_block):
       scf.yield_(flat)
