@@ -82,10 +82,11 @@ class Config:
   # FlashAttention-4's lazy rescale: a row keeps its running max until a block's
   # exceeds it by more than 2**8 (so P <= 256), and a warp whose rows all keep
   # theirs skips `acc *= alpha` (`inline.rescale_rows`, GPU only). H200 at the
-  # published shape: target 2.3-2.8% faster at S=512/1024/4096, self + target 0.3-1.6%.
+  # published shape: target 1.5-3.0% faster at S=512/1024/4096, self + target 2.2-3.6%.
   lazy_rescale: bool = True
   # Run an item's epilogue while the next item's first `Q K^T` is on the tensor
-  # cores, rather than after it.
+  # cores, rather than after it. Same bits; H200: target 1.5-2.7% faster, but
+  # ptxas spills registers in the self + target kernel, 7-11% slower, so it is off.
   epilogue_under_qk: bool = False
 
   def __post_init__(self):
