@@ -26,19 +26,15 @@ if has self_target; then
   tail -n 4 "$OUT/self_target_bench.log" | cut -c1-1500
 fi
 if has attention_diagnostics; then
-  # ptxas's report on every kernel compiled: a WGMMA serialization warning (C7513) costs ~1.5x.
-  # The report goes to dump files or to stdout, so both are searched.
-  rm -rf /tmp/ptxas_dump
-  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=/tmp/ptxas_dump timeout 240 \
+  # ptxas's report on every kernel compiled goes to the program's output: a WGMMA
+  # serialization warning (C7513) costs ~1.5x, spills cost registers' worth of local memory.
+  MOSAIC_GPU_DUMP_PTXAS=1 timeout 240 \
     python3 -m benchmarks.attention_diagnostics ${DIAG_ARGS:-} \
     --out "$OUT/attention_diagnostics_h200.json" > /tmp/attention_diagnostics.log 2>&1
-  grep -o "S [0-9]* {.*" /tmp/attention_diagnostics.log | cut -c1-900
-  grep -i "spill" /tmp/attention_diagnostics.log | sort | uniq -c | head -n 4
-  REPORTS=$(ls /tmp/ptxas_dump 2>/dev/null | wc -l)
-  echo "ptxas: $REPORTS dump files, $(grep -c "ptxas" /tmp/attention_diagnostics.log) log lines;" \
-    "warnings: $(cat /tmp/ptxas_dump/* /tmp/attention_diagnostics.log 2>/dev/null | grep -ci warning)"
-  cat /tmp/ptxas_dump/* /tmp/attention_diagnostics.log 2>/dev/null | grep -i warning | sort \
-    | uniq -c | cut -c1-300 | head -n 5
+  grep "^S [0-9]* {" /tmp/attention_diagnostics.log | cut -c1-1500
+  echo "ptxas: $(grep -c "ptxas" /tmp/attention_diagnostics.log) log lines," \
+    "$(grep -ci warning /tmp/attention_diagnostics.log) warnings"
+  grep -i warning /tmp/attention_diagnostics.log | sort | uniq -c | cut -c1-300 | head -n 5
 fi
 if has attention_profile; then
   timeout 200 python3 -m benchmarks.attention_profile --out "$OUT/attention_profile_h200.json" \

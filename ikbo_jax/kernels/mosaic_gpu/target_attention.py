@@ -254,6 +254,8 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
       item = item_info(i)._replace(**loaded)
       next_item = item_info(jnp.minimum(i + 1, my_items - 1))
       next_has_steps = (i + 1 < my_items) & (next_item.kv_steps > 0)
+      # This item's last step issues the next item's first Q K^T.
+      hands_on = (item.kv_steps > 0) & next_has_steps
       tile, head, kv_len, kv_steps = item.tile, item.head, item.kv_len, item.kv_steps
       cand_rows, own_rows, row_start, user_rows = gmem_rows(item)
       buf = lax.rem(i, 2)
@@ -459,12 +461,10 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         acc, m_i, l_i, next_logits = lax.fori_loop(
             full_steps, kv_steps, functools.partial(kv_step, masked=True), carry)
       if config.epilogue_under_qk:
-        pl.when(jnp.logical_not((kv_steps > 0) & next_has_steps))(
-            lambda: epilogue(acc, m_i, l_i))
+        pl.when(jnp.logical_not(hands_on))(lambda: epilogue(acc, m_i, l_i))
       else:
         epilogue(acc, m_i, l_i)
-      return (first_step + kv_steps, _loaded_scalars(next_item), next_logits,
-              (kv_steps > 0) & next_has_steps)
+      return first_step + kv_steps, _loaded_scalars(next_item), next_logits, hands_on
 
     first_item = item_info(0)  # every program has at least one item
     load_queries(first_item, 0)
