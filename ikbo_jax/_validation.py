@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
-from ikbo_jax import platform
 from ikbo_jax.index import CandidateIndex
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -25,49 +25,6 @@ def check_operands(**operands) -> None:
   for name, (x, dims) in operands.items():
     check_rank(name, x, len(dims), f"[{', '.join(dims)}]")
     check_nonempty(name, x)
-
-
-def require_gpu(implementation: str, interpret: bool) -> None:
-  """A kernel implementation outside the interpreter needs a CUDA GPU as the default backend."""
-  if not interpret and platform.default_platform() != "gpu":
-    raise RuntimeError(
-        f"implementation={implementation!r} needs a CUDA GPU, the default backend is "
-        f"{platform.default_platform()!r}; pass interpret=True to run it under the "
-        "Pallas interpreter")
-
-
-def check_implementation(implementation: str, implementations: tuple, kernels: tuple, dtype,
-                         interpret: bool) -> None:
-  """A known implementation that can run here; `interpret` only with a kernel.
-
-  The Mosaic GPU kernels take 16-bit inputs and need a Hopper GPU (outside the
-  interpreter); op-specific limits are checked by the op.
-  """
-  if implementation not in implementations:
-    raise ValueError(
-        f"implementation must be one of {implementations} or None, got {implementation!r}")
-  if implementation not in kernels:
-    if interpret:
-      raise ValueError(f"interpret=True applies to kernel implementations {kernels} only")
-    return
-  if implementation == "mosaic_gpu" and jnp.dtype(dtype) == jnp.float32:
-    raise TypeError("implementation='mosaic_gpu' supports bfloat16 and float16 inputs, got float32")
-  require_gpu(implementation, interpret)
-  if implementation == "mosaic_gpu" and not interpret and not platform.is_hopper():
-    raise RuntimeError(
-        "implementation='mosaic_gpu' needs a Hopper GPU (compute capability 9.0), got "
-        f"{platform.gpu_compute_capability()}")
-
-
-def resolve_implementation(implementation: str | None, implementations: tuple, kernels: tuple,
-                           dtype, interpret: bool, default) -> str:
-  """The implementation to run: `default()` for None, checked by `check_implementation`."""
-  if implementation is None:
-    if interpret:
-      raise ValueError("interpret=True needs a named kernel implementation")
-    implementation = default()
-  check_implementation(implementation, implementations, kernels, dtype, interpret)
-  return implementation
 
 
 def check_dim(name: str, x, axis: int, expected: int, meaning: str) -> None:
@@ -93,3 +50,21 @@ def check_float_dtypes(**arrays) -> jnp.dtype:
     listing = ", ".join(f"{n}={d}" for n, d in dtypes.items())
     raise TypeError(f"all operands must share one dtype, got {listing}")
   return next(iter(dtypes.values()))
+
+
+def check_flag(name: str, value) -> bool:
+  """A static Python bool: `"yes"`, 1 or an array would otherwise pass a truth test."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a Python bool, got {value!r} ({type(value).__name__})")
+  return bool(value)
+
+
+def resolve_scale(scale, head_dim: int) -> float:
+  """The logit scale: `1 / sqrt(D)` by default, else a finite Python or NumPy number."""
+  if scale is None:
+    return 1.0 / float(np.sqrt(head_dim))
+  if not isinstance(scale, (int, float, np.number)) or isinstance(scale, bool):
+    raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
+  if not np.isfinite(scale):
+    raise ValueError(f"scale must be finite, got {scale}")
+  return float(scale)

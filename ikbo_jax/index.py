@@ -10,7 +10,6 @@ import numpy as np
 from jax.experimental import checkify
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CandidateIndex:
   """Which user each candidate belongs to, plus schedule metadata computed once.
@@ -21,11 +20,18 @@ class CandidateIndex:
   serves every request with the same `(num_candidates, num_users)`.
 
   Several layers of one model reuse the same index, so the derived fields
-  (per-user counts and offsets, the order that sorts candidates by user) are
-  computed once here, in XLA, and not inside every op.
+  (`user_counts`, `user_offsets`, `sort_order`: per-user counts and offsets,
+  the order that sorts candidates by user) are computed once here, in XLA,
+  and not inside every op. They are derived from `cand_to_user` whenever an
+  index is built, `dataclasses.replace` included, so they cannot go stale.
+
+  Ids wider than int32 are saturated, not wrapped, when stored as int32: an
+  out-of-range id stays out of range, so `check()` reports it and the ops'
+  fast paths clamp it to `[0, num_users)`.
 
   Example:
 
+  >>> import dataclasses
   >>> import jax.numpy as jnp
   >>> from ikbo_jax import CandidateIndex
   >>> index = CandidateIndex.from_counts([2, 0, 3])
@@ -35,13 +41,40 @@ class CandidateIndex:
   ([2, 0, 3], [0, 2, 2, 5])
   >>> CandidateIndex.from_mapping(jnp.array([1, 0, 1]), num_users=2).sort_order.tolist()
   [1, 0, 2]
+  >>> dataclasses.replace(index, cand_to_user=jnp.array([2, 2, 2, 0, 0])).user_counts.tolist()
+  [2, 0, 3]
   """
 
   cand_to_user: jax.Array
-  user_counts: jax.Array
-  user_offsets: jax.Array
-  sort_order: jax.Array
-  num_users: int = dataclasses.field(metadata=dict(static=True))
+  num_users: int
+  user_counts: jax.Array = dataclasses.field(init=False)
+  user_offsets: jax.Array = dataclasses.field(init=False)
+  sort_order: jax.Array = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    num_users = _static_positive_int(self.num_users, "num_users")
+    cand_to_user = jnp.asarray(self.cand_to_user)
+    if cand_to_user.ndim != 1:
+      raise ValueError(
+          f"cand_to_user must have rank 1 [num_candidates], got shape {cand_to_user.shape}")
+    if not jnp.issubdtype(cand_to_user.dtype, jnp.integer):
+      raise TypeError(f"cand_to_user must be an integer array, got dtype {cand_to_user.dtype}")
+    if cand_to_user.shape[0] == 0:
+      raise ValueError("cand_to_user is empty: a batch needs at least one candidate")
+    cand_to_user = saturate_to_int32(cand_to_user)
+    # Out-of-range ids would fall outside every segment; clamp so that the
+    # derived metadata stays well formed (ops clamp the same way).
+    clamped = jnp.clip(cand_to_user, 0, num_users - 1)
+    user_counts = jnp.zeros((num_users,), jnp.int32).at[clamped].add(1)
+    derived = dict(
+        cand_to_user=cand_to_user,
+        num_users=num_users,
+        user_counts=user_counts,
+        user_offsets=jnp.concatenate(
+            [jnp.zeros((1,), jnp.int32), jnp.cumsum(user_counts, dtype=jnp.int32)]),
+        sort_order=jnp.argsort(clamped, stable=True).astype(jnp.int32))
+    for name, value in derived.items():
+      object.__setattr__(self, name, value)
 
   @classmethod
   def from_mapping(cls, cand_to_user, num_users: int) -> CandidateIndex:
@@ -50,53 +83,49 @@ class CandidateIndex:
     Out-of-range values are not checked here (the values may be traced); see
     `check()` and the checked mode of the ops.
     """
-    num_users = _static_positive_int(num_users, "num_users")
-    cand_to_user = jnp.asarray(cand_to_user)
-    if cand_to_user.ndim != 1:
-      raise ValueError(
-          f"cand_to_user must have rank 1 [num_candidates], got shape {cand_to_user.shape}")
-    if not jnp.issubdtype(cand_to_user.dtype, jnp.integer):
-      raise TypeError(f"cand_to_user must be an integer array, got dtype {cand_to_user.dtype}")
-    if cand_to_user.shape[0] == 0:
-      raise ValueError("cand_to_user is empty: a batch needs at least one candidate")
-    cand_to_user = cand_to_user.astype(jnp.int32)
-    # Out-of-range ids would fall outside every segment; clamp so that the
-    # derived metadata stays well formed (ops clamp the same way).
-    clamped = jnp.clip(cand_to_user, 0, num_users - 1)
-    user_counts = jnp.zeros((num_users,), jnp.int32).at[clamped].add(1)
-    user_offsets = jnp.concatenate(
-        [jnp.zeros((1,), jnp.int32), jnp.cumsum(user_counts, dtype=jnp.int32)])
-    sort_order = jnp.argsort(clamped, stable=True).astype(jnp.int32)
-    return cls(cand_to_user, user_counts, user_offsets, sort_order, num_users)
+    return cls(cand_to_user, num_users)
 
   @classmethod
   def from_counts(cls, user_counts, num_candidates: int | None = None) -> CandidateIndex:
     """Builds a sorted index from per-user candidate counts `int[U]`.
 
-    `num_candidates` (static) is required when `user_counts` is traced; with
-    concrete counts it defaults to their sum. Candidates are laid out user by
-    user: the first `user_counts[0]` belong to user 0, and so on.
+    Candidates are laid out user by user: the first `user_counts[0]` belong to
+    user 0, and so on. With concrete counts, `num_candidates` defaults to their
+    sum and must equal it. With traced counts (a serving step that fixes the
+    batch size), `num_candidates` is required and is the static batch size:
+    positions past the counts' sum are padding candidates, given the
+    out-of-range id `U` (so `check()` flags them and the ops clamp them to the
+    last user; discard their outputs), and if the counts sum to more, the
+    candidates past `num_candidates` are dropped.
     """
-    if not isinstance(user_counts, jax.core.Tracer):
+    if isinstance(user_counts, jax.core.Tracer):
+      if num_candidates is None:
+        raise ValueError("num_candidates must be given when user_counts is traced")
+      num_candidates = _static_positive_int(num_candidates, "num_candidates")
+      if not jnp.issubdtype(user_counts.dtype, jnp.integer):
+        raise TypeError(f"user_counts must be integers, got dtype {user_counts.dtype}")
+    else:
       counts_np = np.asarray(user_counts)
       if counts_np.ndim != 1:
         raise ValueError(f"user_counts must have rank 1 [num_users], got shape {counts_np.shape}")
+      if counts_np.size and not np.issubdtype(counts_np.dtype, np.integer):
+        raise TypeError(f"user_counts must be integers, got {counts_np.tolist()} "
+                        f"(dtype {counts_np.dtype})")
       if (counts_np < 0).any():
         raise ValueError(f"user_counts must be non-negative, got {counts_np.tolist()}")
       total = int(counts_np.sum())
       if num_candidates is None:
         num_candidates = total
-      elif num_candidates != total:
-        raise ValueError(
-            f"num_candidates={num_candidates} but user_counts sum to {total}")
-    elif num_candidates is None:
-      raise ValueError("num_candidates must be given when user_counts is traced")
-    user_counts = jnp.asarray(user_counts, jnp.int32)
+      elif _static_positive_int(num_candidates, "num_candidates") != total:
+        raise ValueError(f"num_candidates={num_candidates} but user_counts sum to {total}")
+    user_counts = jnp.asarray(user_counts).astype(jnp.int32)
     num_users = user_counts.shape[0]
+    # One extra "user" U absorbs the padding positions past the counts' sum.
     cand_to_user = jnp.repeat(
-        jnp.arange(num_users, dtype=jnp.int32), user_counts,
+        jnp.arange(num_users + 1, dtype=jnp.int32),
+        jnp.concatenate([user_counts, jnp.full((1,), num_candidates, jnp.int32)]),
         total_repeat_length=num_candidates)
-    return cls.from_mapping(cand_to_user, num_users)
+    return cls(cand_to_user, num_users)
 
   @property
   def num_candidates(self) -> int:
@@ -121,8 +150,39 @@ class CandidateIndex:
         lo=jnp.min(ids), hi=jnp.max(ids))
 
 
+_DATA_FIELDS = ("cand_to_user", "user_counts", "user_offsets", "sort_order")
+
+
+def _flatten(index: CandidateIndex):
+  return tuple(getattr(index, f) for f in _DATA_FIELDS), index.num_users
+
+
+def _unflatten(num_users: int, data) -> CandidateIndex:
+  # Transformations rebuild an index from its (possibly traced or placeholder)
+  # leaves: restore the fields as they were rather than deriving them again.
+  index = object.__new__(CandidateIndex)
+  for name, value in zip(_DATA_FIELDS, data):
+    object.__setattr__(index, name, value)
+  object.__setattr__(index, "num_users", num_users)
+  return index
+
+
+jax.tree_util.register_pytree_node(CandidateIndex, _flatten, _unflatten)
+
+
+def saturate_to_int32(x):
+  """Integer `x` as int32; values past int32's range saturate rather than wrap."""
+  if x.dtype == jnp.int32:
+    return x
+  info = np.iinfo(np.int32)
+  lo = max(info.min, int(np.iinfo(x.dtype).min))
+  hi = min(info.max, int(np.iinfo(x.dtype).max))
+  return jnp.clip(x, lo, hi).astype(jnp.int32)
+
+
 def _static_positive_int(value, name: str) -> int:
-  if isinstance(value, jax.core.Tracer) or not isinstance(value, (int, np.integer)):
+  if (isinstance(value, (jax.core.Tracer, bool, np.bool_))
+      or not isinstance(value, (int, np.integer))):
     raise TypeError(f"{name} must be a static Python int, got {type(value).__name__}")
   if value <= 0:
     raise ValueError(f"{name} must be positive, got {value}")

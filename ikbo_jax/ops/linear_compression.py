@@ -2,7 +2,7 @@
 
 `out[b] = W @ concat(E_user[u(b)], E_cand[b])` computed as
 `W_cand @ E_cand[b] + user_res[u(b)]` with `user_res[u] = W_user @ E_user[u]` at
-batch U (DESIGN.md 2.1).
+batch U (`docs/design.md`).
 """
 
 from __future__ import annotations
@@ -11,19 +11,27 @@ import functools
 from typing import Literal
 
 import jax
-import jax.numpy as jnp
 
+from ikbo_jax import _dispatch
 from ikbo_jax import _validation as v
 from ikbo_jax._padding import pad_to_multiple
-from ikbo_jax import platform
 from ikbo_jax.index import CandidateIndex
 from ikbo_jax.kernels.triton import linear_compression as triton_kernel
 from ikbo_jax.ops import linear_compression_mosaic as mosaic
 from ikbo_jax.ops import linear_compression_xla as xla
 
 Implementation = Literal["xla_materialized", "xla", "triton", "mosaic_gpu"]
-IMPLEMENTATIONS = ("xla_materialized", "xla", "triton", "mosaic_gpu")
-_KERNELS = ("triton", "mosaic_gpu")
+# In order of preference for `implementation=None`. Triton runs float32 too, but
+# the XLA path is the default there (float32 GEMMs gain nothing from the fusion).
+BACKENDS = (
+    _dispatch.Backend("mosaic_gpu", is_kernel=True, dtypes=_dispatch.HALF_FLOATS,
+                      device="hopper"),
+    _dispatch.Backend("triton", is_kernel=True, device="gpu",
+                      default_dtypes=_dispatch.HALF_FLOATS),
+    _dispatch.Backend("xla", is_kernel=False),
+    _dispatch.Backend("xla_materialized", is_kernel=False, default_dtypes=()),
+)
+IMPLEMENTATIONS = _dispatch.names(BACKENDS)
 
 
 def _triton_forward(w_user, w_cand, e_user, e_cand, cand_to_user, *, interpret):
@@ -71,11 +79,7 @@ _lce.defvjp(_lce_fwd, _lce_bwd)
 
 def default_implementation(dtype) -> str:
   """The implementation `implementation=None` runs for these inputs on the default device."""
-  if platform.default_platform() != "gpu" or jnp.dtype(dtype) == jnp.float32:
-    return "xla"
-  if platform.is_hopper():
-    return "mosaic_gpu"
-  return "triton"
+  return _dispatch.resolve(BACKENDS, None, dtype, interpret=False).name
 
 
 def linear_compression(w_user, w_cand, e_user, e_cand, index: CandidateIndex, *,
@@ -117,9 +121,9 @@ def linear_compression(w_user, w_cand, e_user, e_cand, index: CandidateIndex, *,
   """
   _check_args(w_user, w_cand, e_user, e_cand, index)
   dtype = v.check_float_dtypes(w_user=w_user, w_cand=w_cand, e_user=e_user, e_cand=e_cand)
-  implementation = v.resolve_implementation(implementation, IMPLEMENTATIONS, _KERNELS, dtype,
-                                            interpret, lambda: default_implementation(dtype))
-  if checked:
+  interpret = v.check_flag("interpret", interpret)
+  implementation = _dispatch.resolve(BACKENDS, implementation, dtype, interpret=interpret).name
+  if v.check_flag("checked", checked):
     index.check()
   if implementation == "xla_materialized":
     # The baseline in both directions: plain autodiff through the broadcast.

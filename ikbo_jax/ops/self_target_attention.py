@@ -3,21 +3,20 @@
 `out_user[u] = attention(q_user[u], k[u], v[u])` (non-causal by default, or
 causal) and `out_cand[b] = attention(q_cand[b], k[u(b)], v[u(b)])`, both over
 keys `< kv_len[u]`; user query rows at positions `>= kv_len[u]` are padding and
-come out as zeros (DESIGN.md 2.3). The Mosaic GPU path computes both in one
+come out as zeros (`docs/design.md`). The Mosaic GPU path computes both in one
 launch; its backward sums the K/V gradients of both query kinds.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
+from ikbo_jax import _dispatch
 from ikbo_jax import _validation as checks
-from ikbo_jax import platform
 from ikbo_jax.index import CandidateIndex
 from ikbo_jax.kernels.triton import target_attention_backward as triton_backward
 from ikbo_jax.ops import self_target_attention_xla as xla
@@ -25,8 +24,13 @@ from ikbo_jax.ops import target_attention as target
 from ikbo_jax.ops import target_attention_mosaic as mosaic
 
 Implementation = Literal["xla", "mosaic_gpu"]
-IMPLEMENTATIONS = ("xla", "mosaic_gpu")
-_KERNELS = ("mosaic_gpu",)
+# In order of preference for `implementation=None`.
+BACKENDS = (
+    _dispatch.Backend("mosaic_gpu", is_kernel=True, dtypes=_dispatch.HALF_FLOATS,
+                      device="hopper", limits=target.mosaic_head_dim_limit),
+    _dispatch.Backend("xla", is_kernel=False),
+)
+IMPLEMENTATIONS = _dispatch.names(BACKENDS)
 _F32 = jnp.float32
 
 
@@ -80,10 +84,7 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 def default_implementation(dtype, head_dim: int) -> str:
   """The implementation `implementation=None` runs for these inputs on the default device."""
-  if (platform.default_platform() == "gpu" and platform.is_hopper()
-      and jnp.dtype(dtype) != jnp.float32 and head_dim in mosaic.SUPPORTED_HEAD_DIMS):
-    return "mosaic_gpu"
-  return "xla"
+  return _dispatch.resolve(BACKENDS, None, dtype, interpret=False, head_dim=head_dim).name
 
 
 def self_target_attention(q_user, q_cand, k, v, index: CandidateIndex, *, kv_len=None,
@@ -130,18 +131,17 @@ def self_target_attention(q_user, q_cand, k, v, index: CandidateIndex, *, kv_len
   >>> bool(jnp.all(out_user[1, 5:] == 0))  # user 1's rows past its length are padding
   True
   """
-  target.check_args(q_cand, k, v, index, kv_len)
+  target.check_args(q_cand, k, v, index, kv_len, q_name="q_cand")
   checks.check_operands(q_user=(q_user, ("U", "S", "H", "D")))
   for axis, meaning in enumerate(("U, from k", "S, from k", "H, from k", "D, from k")):
     checks.check_dim("q_user", q_user, axis, k.shape[axis], meaning)
   dtype = checks.check_float_dtypes(q_user=q_user, q_cand=q_cand, k=k, v=v)
-  implementation = checks.resolve_implementation(
-      implementation, IMPLEMENTATIONS, _KERNELS, dtype, interpret,
-      lambda: default_implementation(dtype, k.shape[-1]))
-  target.check_mosaic_head_dim(implementation, k.shape[-1])
-  kv_len = target.prepare_kv_len(kv_len, index, k.shape[1], checked)
-  scale = 1.0 / math.sqrt(k.shape[-1]) if scale is None else float(scale)
-  causal = bool(causal)
+  interpret = checks.check_flag("interpret", interpret)
+  implementation = _dispatch.resolve(BACKENDS, implementation, dtype, interpret=interpret,
+                                     head_dim=k.shape[-1]).name
+  kv_len = target.prepare_kv_len(kv_len, index, k.shape[1], checks.check_flag("checked", checked))
+  scale = checks.resolve_scale(scale, k.shape[-1])
+  causal = checks.check_flag("causal", causal)
   if implementation == "mosaic_gpu":
     return _fused(scale, causal, interpret, q_user, q_cand, k, v, index, kv_len)
   return xla.self_target(q_user, q_cand, k, v, index.clamped_cand_to_user, kv_len, scale=scale,

@@ -1,7 +1,7 @@
 """Target attention with in-kernel broadcast: candidates attend to their user's shared K/V.
 
 `out[b, i, h] = softmax_{j < kv_len[u(b)]}(scale * q[b, i, h] . k[u(b), j, h]) @ v[u(b), :, h]`
-with `u = cand_to_user` (DESIGN.md 2.2). This module holds the public op, its
+with `u = cand_to_user` (`docs/design.md`). This module holds the public op, its
 validation and its dispatch. The XLA implementations differentiate by autodiff.
 The kernel paths (Triton, Mosaic GPU) run their forward kernel under one
 `custom_vjp` whose backward is the Triton dq and dk/dv kernels (dk/dv summed
@@ -11,24 +11,45 @@ per user inside the kernel, deterministic).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
+from ikbo_jax import _dispatch
 from ikbo_jax import _validation as checks
-from ikbo_jax import platform
-from ikbo_jax.index import CandidateIndex
+from ikbo_jax.index import CandidateIndex, saturate_to_int32
 from ikbo_jax.kernels.triton import target_attention as triton_kernel
 from ikbo_jax.kernels.triton import target_attention_backward as triton_backward
 from ikbo_jax.ops import target_attention_mosaic as mosaic
 from ikbo_jax.ops import target_attention_xla as xla
 
 Implementation = Literal["xla_materialized", "xla", "triton", "mosaic_gpu"]
-IMPLEMENTATIONS = ("xla_materialized", "xla", "triton", "mosaic_gpu")
-_KERNELS = ("triton", "mosaic_gpu")
+
+
+def mosaic_head_dim_limit(head_dim: int) -> str | None:
+  if head_dim not in mosaic.SUPPORTED_HEAD_DIMS:
+    return f"supports head dims D in {mosaic.SUPPORTED_HEAD_DIMS}, got D={head_dim}"
+  return None
+
+
+def _triton_head_dim_limit(head_dim: int) -> str | None:
+  # Triton's block shapes are powers of two and its dot needs at least 16.
+  if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+    return f"supports head dims D that are powers of two in [16, 256], got D={head_dim}"
+  return None
+
+
+# In order of preference for `implementation=None`.
+BACKENDS = (
+    _dispatch.Backend("mosaic_gpu", is_kernel=True, dtypes=_dispatch.HALF_FLOATS,
+                      device="hopper", limits=mosaic_head_dim_limit),
+    _dispatch.Backend("triton", is_kernel=True, device="gpu", limits=_triton_head_dim_limit),
+    _dispatch.Backend("xla", is_kernel=False),
+    _dispatch.Backend("xla_materialized", is_kernel=False, default_dtypes=()),
+)
+IMPLEMENTATIONS = _dispatch.names(BACKENDS)
 
 
 def _kernel_forward(implementation, scale, interpret, save_lse, q, k, v, index, kv_len):
@@ -64,12 +85,7 @@ _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 
 def default_implementation(dtype, head_dim: int) -> str:
   """The implementation `implementation=None` runs for these inputs on the default device."""
-  if platform.default_platform() != "gpu":
-    return "xla"
-  if (platform.is_hopper() and jnp.dtype(dtype) != jnp.float32
-      and head_dim in mosaic.SUPPORTED_HEAD_DIMS):
-    return "mosaic_gpu"
-  return "triton"
+  return _dispatch.resolve(BACKENDS, None, dtype, interpret=False, head_dim=head_dim).name
 
 
 def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: float | None = None,
@@ -116,13 +132,14 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
   """
   check_args(q, k, v, index, kv_len)
   dtype = checks.check_float_dtypes(q=q, k=k, v=v)
-  implementation = checks.resolve_implementation(
-      implementation, IMPLEMENTATIONS, _KERNELS, dtype, interpret,
-      lambda: default_implementation(dtype, q.shape[-1]))
-  check_mosaic_head_dim(implementation, q.shape[-1])
-  kv_len = prepare_kv_len(kv_len, index, k.shape[1], checked)
-  scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-  if implementation in _KERNELS:
+  interpret = checks.check_flag("interpret", interpret)
+  backend = _dispatch.resolve(BACKENDS, implementation, dtype, interpret=interpret,
+                              head_dim=q.shape[-1])
+  implementation = backend.name
+  return_lse = checks.check_flag("return_lse", return_lse)
+  kv_len = prepare_kv_len(kv_len, index, k.shape[1], checks.check_flag("checked", checked))
+  scale = checks.resolve_scale(scale, q.shape[-1])
+  if backend.is_kernel:
     return _kernel_attention(implementation, scale, interpret, return_lse, q, k, v, index, kv_len)
   impl = xla.materialized if implementation == "xla_materialized" else xla.chunked
   out, lse = impl(q, k, v, index.clamped_cand_to_user, kv_len, scale=scale)
@@ -130,33 +147,34 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
 
 
 def prepare_kv_len(kv_len, index: CandidateIndex, seq_len: int, checked: bool):
-  """`kv_len` as `int32[U]` clamped to `[0, S]` (default `S`), checked first when `checked`."""
-  kv_len = (jnp.full((index.num_users,), seq_len, jnp.int32) if kv_len is None
-            else jnp.asarray(kv_len).astype(jnp.int32))
+  """`kv_len` as `int32[U]` clamped to `[0, S]` (default `S`), checked first when `checked`.
+
+  The range check and the clamp run in the caller's dtype, so a wide length
+  saturates instead of wrapping around when it becomes int32.
+  """
   if checked:
     index.check()
+  if kv_len is None:
+    return jnp.full((index.num_users,), seq_len, jnp.int32)
+  kv_len = jnp.asarray(kv_len)
+  if checked:
     checkify.check(jnp.all((kv_len >= 0) & (kv_len <= seq_len)),
                    f"kv_len values must lie in [0, S={seq_len}]; got min {{lo}}, max {{hi}}",
                    lo=jnp.min(kv_len), hi=jnp.max(kv_len))
-  return jnp.clip(kv_len, 0, seq_len)
+  return saturate_to_int32(jnp.clip(kv_len, 0, seq_len))
 
 
-def check_mosaic_head_dim(implementation: str, head_dim: int) -> None:
-  if implementation == "mosaic_gpu" and head_dim not in mosaic.SUPPORTED_HEAD_DIMS:
-    raise ValueError(f"implementation='mosaic_gpu' supports head dims D in "
-                     f"{mosaic.SUPPORTED_HEAD_DIMS}, got D={head_dim}")
-
-
-def check_args(q, k, v, index, kv_len) -> None:
+def check_args(q, k, v, index, kv_len, *, q_name: str = "q") -> None:
+  """Shapes, ranks and dtypes of the attention operands; `q_name` is what the caller calls `q`."""
   checks.check_index(index)
   layout = ("U", "S", "H", "D")
-  checks.check_operands(q=(q, ("B", "T", "H", "D")), k=(k, layout), v=(v, layout))
-  checks.check_dim("q", q, 0, index.num_candidates, "B, from index.cand_to_user")
+  checks.check_operands(**{q_name: (q, ("B", "T", "H", "D"))}, k=(k, layout), v=(v, layout))
+  checks.check_dim(q_name, q, 0, index.num_candidates, "B, from index.cand_to_user")
   checks.check_dim("v", v, 1, k.shape[1], "S, from k")
   for name, x in (("k", k), ("v", v)):
     checks.check_dim(name, x, 0, index.num_users, "U, from index.num_users")
-    checks.check_dim(name, x, 2, q.shape[2], "H, from q")
-    checks.check_dim(name, x, 3, q.shape[3], "D, from q")
+    checks.check_dim(name, x, 2, q.shape[2], f"H, from {q_name}")
+    checks.check_dim(name, x, 3, q.shape[3], f"D, from {q_name}")
   if kv_len is not None:
     kv_len = jnp.asarray(kv_len)
     checks.check_rank("kv_len", kv_len, 1, "[U]")
