@@ -27,9 +27,6 @@ from ikbo_jax.ops import target_attention_mosaic
 CONFIGS = {
     "default": kernel.Config(),
     "eager_rescale": kernel.Config(lazy_rescale=False),
-    "overlap_softmax": kernel.Config(overlap_softmax=True),
-    "epilogue_under_qk": kernel.Config(epilogue_under_qk=True),
-    "epilogue_under_qk_overlap": kernel.Config(epilogue_under_qk=True, overlap_softmax=True),
 }
 
 

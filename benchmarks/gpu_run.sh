@@ -3,7 +3,7 @@
 # the call is cut short), then GPU tests, the demo and the linear-compression diagnostics. Results go to $OUT.
 # Set IKBO_COMMIT (the device copy has no .git). STEPS picks what runs, by default
 # "lc attention self_target tests demo diagnostics"; also "attention_tests" (the attention GPU
-# tests only), "attention_diagnostics", "attention_profile" and "attention_ncu" (Nsight Compute). DIAG_ARGS go to the attention diagnostics. BENCH_ARGS=--no-sweeps shortens the lc step.
+# tests only), "attention_diagnostics" and "attention_ncu" (Nsight Compute). DIAG_ARGS go to the attention diagnostics. BENCH_ARGS=--no-sweeps shortens the lc step.
 set -uo pipefail
 OUT=${OUT:-/tmp/ikbo_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -35,10 +35,6 @@ if has attention_diagnostics; then
   echo "ptxas: $(grep -c "ptxas" /tmp/attention_diagnostics.log) log lines," \
     "$(grep -ci warning /tmp/attention_diagnostics.log) warnings"
   grep -i warning /tmp/attention_diagnostics.log | sort | uniq -c | cut -c1-300 | head -n 5
-fi
-if has attention_profile; then
-  timeout 200 python3 -m benchmarks.attention_profile --out "$OUT/attention_profile_h200.json" \
-    2>&1 | grep "^S " | cut -c1-3000
 fi
 if has attention_ncu; then
   # Nsight Compute on the target kernel at S=1024: stall reasons per SASS instruction.

@@ -59,7 +59,6 @@ FORWARD_CONFIGS = {
     "split=m,64x256,steps=3,epi=128": mosaic_kernel.Config(max_concurrent_steps=3,
                                                            epi_tile_n=128),
     "split=n,64x128,steps=4": mosaic_kernel.Config(tile_n=128, split="n"),
-    "split=m,64x256,steps=4,delay=1": mosaic_kernel.Config(delay_release=1),
 }
 
 

@@ -96,7 +96,7 @@ def _block_rows(shape, seq_len, dtype, index):
   user_seq = jax.random.normal(keys[0], (u, seq_len, features), jnp.float32).astype(dtype)
   cand_tokens = jax.random.normal(keys[1], (b, t, features), jnp.float32).astype(dtype)
   kwargs = dict(dtype=dtype, param_dtype=dtype)
-  block = UserSequenceBlock(num_heads=h, in_features=features, rngs=nnx.Rngs(0), **kwargs)
+  block = UserSequenceBlock(num_heads=h, user_features=features, rngs=nnx.Rngs(0), **kwargs)
   mha = lambda seed: nnx.MultiHeadAttention(num_heads=h, in_features=features, decode=False,
                                             rngs=nnx.Rngs(seed), **kwargs)
   self_mha, target_mha = mha(1), mha(2)

@@ -10,8 +10,8 @@ from ikbo_jax.nn import TargetAttention
 def test_parity_with_multi_head_attention_on_the_materialized_broadcast():
   rng = np.random.default_rng(0)
   index = random_index(rng, num_users=3, num_candidates=7, empty_users=1)
-  attn = TargetAttention(num_heads=2, in_features=12, qkv_features=16, out_features=10,
-                         in_kv_features=6, rngs=nnx.Rngs(0))
+  attn = TargetAttention(num_heads=2, user_features=6, cand_features=12, qkv_features=16,
+                         out_features=10, rngs=nnx.Rngs(0))
   mha = nnx.MultiHeadAttention(num_heads=2, in_features=12, qkv_features=16, out_features=10,
                                in_kv_features=6, decode=False, rngs=nnx.Rngs(1))
   nnx.update(mha, nnx.state(attn))  # the same weights, module for module
@@ -19,7 +19,7 @@ def test_parity_with_multi_head_attention_on_the_materialized_broadcast():
   cand_tokens = jax.random.normal(keys[0], (7, 5, 12))
   user_seq = jax.random.normal(keys[1], (3, 9, 6))
   kv_len = jnp.array([9, 2, 6])
-  out = attn(cand_tokens, user_seq, index, kv_len=kv_len)
+  out = attn(user_seq, cand_tokens, index, kv_len=kv_len)
 
   ids = index.cand_to_user
   mask = (jnp.arange(9)[None, :] < kv_len[ids][:, None])[:, None, None, :]
@@ -30,8 +30,8 @@ def test_parity_with_multi_head_attention_on_the_materialized_broadcast():
 
 def test_gradients_reach_every_projection():
   index = random_index(np.random.default_rng(1), num_users=2, num_candidates=3)
-  attn = TargetAttention(num_heads=2, in_features=8, rngs=nnx.Rngs(0))
+  attn = TargetAttention(num_heads=2, user_features=8, rngs=nnx.Rngs(0))
   x, seq = jnp.ones((3, 2, 8)), jax.random.normal(jax.random.key(0), (2, 4, 8))
-  grads = nnx.grad(lambda m: jnp.sum(m(x + jnp.arange(8) * 0.1, seq, index) ** 2))(attn)
+  grads = nnx.grad(lambda m: jnp.sum(m(seq, x + jnp.arange(8) * 0.1, index) ** 2))(attn)
   for name in ("query", "key", "value", "out"):
     assert float(jnp.abs(grads[name]["kernel"][...]).sum()) > 0, name

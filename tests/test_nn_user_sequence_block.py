@@ -12,8 +12,8 @@ from ikbo_jax.nn import UserSequenceBlock
 def test_parity_with_two_multi_head_attentions_on_the_materialized_broadcast(causal):
   rng = np.random.default_rng(0)
   index = random_index(rng, num_users=3, num_candidates=7, empty_users=1)
-  block = UserSequenceBlock(num_heads=2, in_features=6, qkv_features=16, out_features=10,
-                            cand_features=12, causal=causal, rngs=nnx.Rngs(0))
+  block = UserSequenceBlock(num_heads=2, user_features=6, cand_features=12, qkv_features=16,
+                            out_features=10, causal=causal, rngs=nnx.Rngs(0))
   mha = lambda in_features, seed: nnx.MultiHeadAttention(
       num_heads=2, in_features=in_features, qkv_features=16, out_features=10, in_kv_features=6,
       decode=False, rngs=nnx.Rngs(seed))
@@ -49,7 +49,7 @@ def test_parity_with_two_multi_head_attentions_on_the_materialized_broadcast(cau
 
 def test_gradients_reach_every_projection():
   index = random_index(np.random.default_rng(1), num_users=2, num_candidates=3)
-  block = UserSequenceBlock(num_heads=2, in_features=8, rngs=nnx.Rngs(0))
+  block = UserSequenceBlock(num_heads=2, user_features=8, rngs=nnx.Rngs(0))
   seq = jax.random.normal(jax.random.key(0), (2, 4, 8))
   cands = jax.random.normal(jax.random.key(1), (3, 2, 8))
 

@@ -26,8 +26,11 @@ class LinearCompression(nnx.Module):
     out_features: M, the number of compressed embeddings.
     dtype: computation dtype (default: inferred from the inputs).
     param_dtype: parameter dtype.
-    kernel_init: initializer of the `[M, K_user + K_cand]` weight, split in two.
+    kernel_init: initializer of the joint weight, called with `nnx.Linear`'s
+      shape `[K_user + K_cand, M]` (fan-in first); stored transposed and split
+      into `w_user [M, K_user]` and `w_cand [M, K_cand]`.
     implementation: passed to `ikbo_jax.linear_compression`.
+    interpret: run a kernel implementation under the Pallas interpreter.
     rngs: random number generators.
 
   Example:
@@ -47,16 +50,19 @@ class LinearCompression(nnx.Module):
   def __init__(self, user_features: int, cand_features: int, out_features: int, *,
                dtype=None, param_dtype=jnp.float32,
                kernel_init: nnx.Initializer = default_kernel_init,
-               implementation: Implementation | None = None, rngs: nnx.Rngs):
-    # One init over the joint weight, then split: the same fan-in scaling as a
-    # dense layer over the concatenated stack.
-    w = kernel_init(rngs.params(), (out_features, user_features + cand_features), param_dtype)
+               implementation: Implementation | None = None, interpret: bool = False,
+               rngs: nnx.Rngs):
+    # One init over the joint weight in `nnx.Linear`'s `[in, out]` layout (the
+    # initializer takes fan-in from the second-to-last axis), then split and
+    # stored `[out, in]` as the op takes it: the scale of `nnx.Linear(K_user +
+    # K_cand -> M)` over the concatenated stack.
+    w = kernel_init(rngs.params(), (user_features + cand_features, out_features), param_dtype).T
     self.w_user = nnx.Param(w[:, :user_features])
     self.w_cand = nnx.Param(w[:, user_features:])
     self.user_features, self.cand_features = user_features, cand_features
     self.out_features = out_features
     self.dtype, self.param_dtype = dtype, param_dtype
-    self.implementation = implementation
+    self.implementation, self.interpret = implementation, interpret
 
   def __call__(self, e_user: jax.Array, e_cand: jax.Array, index: CandidateIndex, *,
                checked: bool = False) -> jax.Array:
@@ -64,4 +70,5 @@ class LinearCompression(nnx.Module):
     w_user, w_cand, e_user, e_cand = dtypes.promote_dtype(
         (self.w_user[...], self.w_cand[...], e_user, e_cand), dtype=self.dtype)
     return linear_compression(w_user, w_cand, e_user, e_cand, index,
-                              implementation=self.implementation, checked=checked)
+                              implementation=self.implementation, checked=checked,
+                              interpret=self.interpret)

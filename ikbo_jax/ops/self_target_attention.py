@@ -139,10 +139,17 @@ def self_target_attention(q_user, q_cand, k, v, index: CandidateIndex, *, kv_len
   interpret = checks.check_flag("interpret", interpret)
   implementation = _dispatch.resolve(BACKENDS, implementation, dtype, interpret=interpret,
                                      head_dim=k.shape[-1]).name
+  lengths_given = kv_len is not None
   kv_len = target.prepare_kv_len(kv_len, index, k.shape[1], checks.check_flag("checked", checked))
   scale = checks.resolve_scale(scale, k.shape[-1])
   causal = checks.check_flag("causal", causal)
   if implementation == "mosaic_gpu":
+    if lengths_given:
+      # The backward's cuDNN attention applies its padding mask to the logits
+      # only, so it would multiply padding by zero probabilities too.
+      valid = xla.query_valid(kv_len, k.shape[1])
+      q_user, k = jnp.where(valid, q_user, 0), jnp.where(valid, k, 0)
+      v = mosaic.zero_values_past_length(v, kv_len)
     return _fused(scale, causal, interpret, q_user, q_cand, k, v, index, kv_len)
   return xla.self_target(q_user, q_cand, k, v, index.clamped_cand_to_user, kv_len, scale=scale,
                          causal=causal)

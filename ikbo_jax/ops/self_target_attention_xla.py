@@ -17,7 +17,8 @@ def query_valid(kv_len, seq_len: int):
 
 
 def self_attention(q_user, k, v, kv_len, *, scale: float, causal: bool, precision=None):
-  """Each user's queries over its own keys `< kv_len`; padded query rows are zeros."""
+  """Each user's queries over its own keys `< kv_len`; padded query rows are zeros (never read)."""
+  q_user = jnp.where(query_valid(kv_len, k.shape[1]), q_user, 0)
   out, _ = target_attention_xla.attention(q_user, k, v, kv_len, scale=scale, causal=causal,
                                           precision=precision)
   return jnp.where(query_valid(kv_len, k.shape[1]), out, 0).astype(q_user.dtype)

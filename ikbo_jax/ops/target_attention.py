@@ -137,7 +137,10 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
                               head_dim=q.shape[-1])
   implementation = backend.name
   return_lse = checks.check_flag("return_lse", return_lse)
+  lengths_given = kv_len is not None
   kv_len = prepare_kv_len(kv_len, index, k.shape[1], checks.check_flag("checked", checked))
+  if lengths_given and implementation == "mosaic_gpu":
+    v = mosaic.zero_values_past_length(v, kv_len)
   scale = checks.resolve_scale(scale, q.shape[-1])
   if backend.is_kernel:
     return _kernel_attention(implementation, scale, interpret, return_lse, q, k, v, index, kv_len)

@@ -19,6 +19,20 @@ from ikbo_jax.kernels.mosaic_gpu import target_attention as kernel
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 
+def zero_values_past_length(v, kv_len):
+  """`v` with the rows at or past each user's length replaced by zeros.
+
+  The kernel reads whole K/V blocks, so a user's last block may include rows
+  past `kv_len`. Their logits are masked to `-inf`, which keeps keys out, but
+  `P V` still multiplies the zero probabilities by those value rows, and
+  `0 * NaN` or `0 * Inf` is NaN. Zeroing them (one pass over V at batch U) keeps
+  padding unread, as the other implementations do. The ops only call this
+  when the caller passes lengths: without them every row is valid.
+  """
+  in_history = jnp.arange(v.shape[1])[None, :] < kv_len[:, None]
+  return jnp.where(in_history[:, :, None, None], v, 0)
+
+
 def _run(q, k, v, index: CandidateIndex, kv_len, *, scale: float, save_lse: bool,
          q_user, causal: bool, config: kernel.Config, interpret: bool):
   """Pads, builds the query tiles, runs the kernel and slices the padding off again."""

@@ -5,6 +5,12 @@ Shapes: `q [B, T, H, D]` (T = n_seed query tokens per candidate), `k, v [U, S, H
 clamped to `[0, S]`). Outputs: `out [B, T, H, D]` in the input dtype and the
 log-sum-exp of the scaled logits `lse [B, T, H]` in float32 (`-inf` for a user
 with `kv_len == 0`, whose output rows are zero).
+
+NaN and Inf follow `jax.nn.dot_product_attention` over the valid keys: a
+non-finite value at a position that is read reaches exactly the rows that read
+it, and nothing at or past `kv_len` is read, so padding may hold anything
+(its keys and values are replaced by zeros before any product, which also
+keeps it out of the gradients).
 """
 
 from __future__ import annotations
@@ -20,16 +26,23 @@ def attention(q, k, v, kv_len, *, scale: float, causal: bool = False, precision=
 
   `causal` also masks keys after the query's position (query `t` sees keys `<= t`).
   """
+  key = jnp.arange(k.shape[1])
+  in_history = (key[None, :] < kv_len[:, None])[:, :, None, None]
+  k, v = jnp.where(in_history, k, 0), jnp.where(in_history, v, 0)
   logits = jnp.einsum("nthd,nshd->nhts", q, k, precision=precision,
                       preferred_element_type=_F32) * scale
-  key = jnp.arange(k.shape[1])
-  valid = (key[None, :] < kv_len[:, None])[:, None, None, :]
+  valid = jnp.transpose(in_history, (0, 2, 3, 1))
   if causal:
     valid &= key[None, :] <= jnp.arange(q.shape[1])[:, None]
   logits = jnp.where(valid, logits, -jnp.inf)
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  # A query with no valid key gets zero weights (and output), not NaN.
-  probs = jnp.where(jnp.isfinite(lse)[..., None], jnp.exp(logits - lse[..., None]), 0.0)
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  # A query with no valid key gets zero weights (and output) and lse = -inf.
+  # Any other row keeps its NaN or Inf (logsumexp would drop a NaN logit).
+  no_keys = row_max == -jnp.inf
+  shifted = jnp.exp(logits - jnp.where(no_keys, 0.0, jax.lax.stop_gradient(row_max)))
+  total = jnp.sum(shifted, axis=-1, keepdims=True)
+  probs = jnp.where(no_keys, 0.0, shifted / jnp.where(no_keys, 1.0, total))
+  lse = jnp.where(no_keys, -jnp.inf, jax.lax.stop_gradient(row_max) + jnp.log(total))[..., 0]
   out = jnp.einsum("nhts,nshd->nthd", probs.astype(v.dtype), v, precision=precision,
                    preferred_element_type=_F32)
   return out.astype(q.dtype), jnp.transpose(lse, (0, 2, 1))

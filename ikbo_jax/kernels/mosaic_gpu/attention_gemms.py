@@ -2,10 +2,8 @@
 
 Two consumer warpgroups share the tensor cores. FlashAttention-3's ping-pong
 has them take turns, so that one's softmax runs while the other's GEMMs do
-(`Turns`). Within a turn a consumer issues `P V` alone (`accumulate_pv`) or
-`Q K^T` and the previous block's `P V` together, running its softmax while
-`P V` is in flight (`overlapped_gemms`, FlashAttention-3's intra-warpgroup
-overlap). On the GPU the GEMMs are WGMMAs; the Mosaic GPU interpreter takes
+(`Turns`). Within a turn a consumer issues its `P V` (`accumulate_pv`) and
+then the next `Q K^T`. On the GPU the GEMMs are WGMMAs; the Mosaic GPU interpreter takes
 WGMMA operands from shared memory only, so there they are plain dots.
 """
 
@@ -45,50 +43,11 @@ def accumulate_pv(acc, p, v_smem, *, before_issue, then, interpret: bool):
   return pl.run_state(issue)(plgpu.ACC.init(acc))
 
 
-def overlapped_gemms(acc, p, *, q_smem, k_smem, v_smem, before_issue, issued, on_logits,
-                      result_like, interpret: bool):
-  """`(on_logits(q @ k^T), acc + p @ v)`, with `on_logits` running while `p @ v` does.
-
-  On the GPU the two WGMMAs are issued back to back (`before_issue()` runs
-  after the WGMMA fence, `issued()` after both issues); they complete in
-  order, so waiting until one is in flight leaves the logits ready and `P V`
-  running. `on_logits` must not touch `acc` or `p`: a register a WGMMA in flight
-  reads that is written in between makes ptxas serialize every WGMMA of the
-  kernel (warning C7513), which is also why the caller converts the next `p`
-  to 16 bits only after this returns. `result_like` is a value of
-  `on_logits`'s result type.
-  """
-  if interpret:
-    before_issue()
-    issued()
-    result = on_logits(jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32))
-    return result, _plain_pv(acc, p, v_smem)
-
-  def body(refs):
-    acc_ref, result_refs = refs
-
-    def with_logits(logits_ref):
-      before_issue()
-      plgpu.wgmma(logits_ref, q_smem, k_smem.T)
-      plgpu.wgmma(acc_ref, p, v_smem)
-      issued()
-      logits = plgpu.wgmma_accumulator_load(logits_ref, wait_n=1)
-      for ref, value in zip(result_refs, on_logits(logits)):
-        ref[...] = value
-
-    pl.run_scoped(with_logits, plgpu.ACC((q_smem.shape[0], k_smem.shape[0]), jnp.float32))
-
-  # run_state returns once every WGMMA is done.
-  acc, result = pl.run_state(body)((plgpu.ACC.init(acc), tuple(result_like)))
-  return result, acc
-
-
 class Turns:
   """The consumers' turns at the tensor cores, FlashAttention-3's ping-pong.
 
   A turn is an item's first `Q K^T`, or a `P @ V` with the `Q K^T` after it
-  (the next block's, or the next item's first), or with the overlap a `Q K^T`
-  with the previous block's `P @ V` (`overlapped_gemms`); the two consumers take turns
+  (the next block's, or the next item's first); the two consumers take turns
   alternately, across items too, so each one's softmax runs while the other's
   GEMMs do. A consumer syncs on its own barrier before its turn and arrives
   at the other's after issuing it. A consumer never arrives twice at a

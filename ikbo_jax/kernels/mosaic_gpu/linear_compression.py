@@ -65,8 +65,6 @@ class Config:
 
   `split` says along which dimension the two consumers' tiles sit side by side
   ("m": they share the `E[b]` tile, "n": they share the `A` tile).
-  `delay_release` keeps that many WGMMA groups in flight before a shared
-  memory slot is handed back to the producer.
   """
 
   tile_m: int = 64
@@ -75,7 +73,6 @@ class Config:
   max_concurrent_steps: int = 4
   epi_tile_n: int = 64
   split: Literal["m", "n"] = "m"
-  delay_release: int = 0
 
   @property
   def cta_tile_m(self) -> int:
@@ -102,8 +99,7 @@ class _UserGemm(NamedTuple):
 def _k_pipeline(config: Config, k: int, max_concurrent_steps: int, dtype):
   """The TMA -> WGMMA pipeline over the K tiles of one output tile."""
   in_transforms = smem_transforms(config.tile_k, dtype)
-  spec = functools.partial(plgpu.BlockSpec, transforms=in_transforms,
-                           delay_release=config.delay_release)
+  spec = functools.partial(plgpu.BlockSpec, transforms=in_transforms)
 
   def build(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -138,7 +134,7 @@ def _body(cand_to_user_gmem, a_gmem, e_gmem, user_res_gmem, out_gmem, user: _Use
 
   def mma_step(_, a_smem, e_smem, acc_ref, *, wg_m, wg_n):
     plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg_m, tile_m)], e_smem.at[:, pl.ds(wg_n, tile_n)])
-    plgpu.wgmma_wait(config.delay_release)
+    plgpu.wgmma_wait(0)
     return acc_ref
 
   def accumulate(eval_pipeline):
@@ -253,6 +249,25 @@ def _launch(body, out_type, interpret: bool):
   )
 
 
+def _padded_out_type(num_cands: int, num_rows: int, n: int, dtype, config: Config):
+  """The output buffer: at least one whole CTA tile in M and in N.
+
+  A consumer whose tile starts at or past the end of a dimension only as long
+  as its own tile (M or N of 64) had its TMA store land at the start of that
+  dimension, over the other consumer's rows (H200: wrong results at N = 64).
+  With a dimension at least one CTA tile long every store of that first tile
+  lies inside the buffer; the padding is sliced off after the launch.
+  """
+  return jax.ShapeDtypeStruct(
+      (num_cands, max(num_rows, config.cta_tile_m), max(n, config.cta_tile_n)), dtype)
+
+
+def _unpad(out, num_rows: int, n: int):
+  if out.shape[1:] == (num_rows, n):
+    return out
+  return out[:, :num_rows, :n]
+
+
 def batched_gemm(a, e, user_res=None, cand_to_user=None, *, num_rows: int,
                  config: Config = Config(), interpret: bool = False):
   """`out[b] = a @ e[b] + user_res[cand_to_user[b]]` (or without the user term), rounded once.
@@ -268,15 +283,15 @@ def batched_gemm(a, e, user_res=None, cand_to_user=None, *, num_rows: int,
     interpret: run under the Mosaic GPU interpreter (CPU testing).
   """
   num_cands, _, n = e.shape
-  out_type = jax.ShapeDtypeStruct((num_cands, num_rows, n), e.dtype)
+  out_type = _padded_out_type(num_cands, num_rows, n, e.dtype, config)
   if user_res is None:
     body = lambda cand_to_user, a, e, out: _body(cand_to_user, a, e, None, out, None,
                                                  config=config)
     cand_to_user = jnp.zeros((1,), jnp.int32)  # unused; keeps one kernel signature
-    return _launch(body, out_type, interpret)(cand_to_user, a, e)
+    return _unpad(_launch(body, out_type, interpret)(cand_to_user, a, e), num_rows, n)
   body = lambda cand_to_user, a, e, user_res, out: _body(cand_to_user, a, e, user_res, out, None,
                                                          config=config)
-  return _launch(body, out_type, interpret)(cand_to_user, a, e, user_res)
+  return _unpad(_launch(body, out_type, interpret)(cand_to_user, a, e, user_res), num_rows, n)
 
 
 def single_launch_forward(a_user, a_cand, e_user, e_cand, cand_to_user, *, num_rows: int,
@@ -303,10 +318,10 @@ def single_launch_forward(a_user, a_cand, e_user, e_cand, cand_to_user, *, num_r
           config=config)
 
   out_type = (
-      jax.ShapeDtypeStruct((num_cands, num_rows, n), e_cand.dtype),
+      _padded_out_type(num_cands, num_rows, n, e_cand.dtype, config),
       # The user results live only inside the launch; float32 keeps the single rounding.
       jax.ShapeDtypeStruct((num_users, m_iters * config.cta_tile_m, n_iters * config.cta_tile_n),
                            jnp.float32))
   out, _ = _launch(body, out_type, interpret=False)(
       cand_to_user, a_cand, e_cand, a_user, e_user)
-  return out
+  return _unpad(out, num_rows, n)

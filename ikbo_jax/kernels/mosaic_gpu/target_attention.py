@@ -10,9 +10,8 @@ cuDNN on a packed layout, it needs no sorted or contiguous candidates).
 The consumers follow the FlashAttention-3 schedule: WGMMA for `Q K^T` and
 `P V` with float32 accumulators, the online softmax in base 2 with the logit
 scale folded into the exponent, and turn barriers that alternate the
-two consumers between tensor-core work and softmax (optionally also overlapping
-each consumer's softmax with its own previous `P V`, `Config.overlap_softmax`;
-see `attention_gemms`). Each consumer copies its
+two consumers between tensor-core work and softmax (`attention_gemms.Turns`).
+Each consumer copies its
 candidates' query rows in by index, one item ahead (two buffers, so the copy
 hides behind the current item's first step), and stores output rows (and the
 lse) back by index, dropping the slots that only pad the block.
@@ -43,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ikbo_jax.kernels.mosaic_gpu import inline
-from ikbo_jax.kernels.mosaic_gpu.attention_gemms import Turns, accumulate_pv, overlapped_gemms
+from ikbo_jax.kernels.mosaic_gpu.attention_gemms import Turns, accumulate_pv
 from ikbo_jax.kernels.mosaic_gpu.common import (
     NUM_CONSUMERS, PRODUCER_REGISTERS, interpret_params, num_sms, smem_transforms)
 from ikbo_jax.query_tiles import QueryTiles
@@ -63,31 +62,11 @@ class Config:
   # the next item's K/V during this item's epilogue), or one CTA per item.
   # Persistent measured faster at every S on the H200 (0.269 vs 0.287 ms at S=1024).
   persistent: bool = True
-  # Diagnostics: write a Mosaic GPU profiler trace of the consumers' named
-  # phases (item_start, qk and its turn, softmax, pv_wait, pv, epilogue) to this directory.
-  # Each phase boundary stores a clock reading, which slows the kernel slightly.
-  profile_dir: str = ""
-  # Keep the softmax row sums per thread and exchange lanes once per item,
-  # not twice per K/V step (GPU only; the interpreter sums whole rows).
-  row_sums_in_thread: bool = True
-  # Pass the consumers' turns with named hardware barriers rather than an
-  # mbarrier in shared memory (GPU only; the interpreter uses the mbarrier).
-  named_barriers: bool = True
-  # FlashAttention-3's intra-warpgroup overlap on top of the ping-pong: a turn
-  # issues block j's Q K^T and block j-1's P V together, and block j's softmax
-  # runs while that P V is on the tensor cores. Same bits as the ping-pong alone;
-  # H200 at the published shape: target 2% slower at S=512, equal at 1024, 2%
-  # faster at 4096, self + target 1-2% slower at each, so it is off.
-  overlap_softmax: bool = False
   # FlashAttention-4's lazy rescale: a row keeps its running max until a block's
   # exceeds it by more than 2**8 (so P <= 256), and a warp whose rows all keep
   # theirs skips `acc *= alpha` (`inline.rescale_rows`, GPU only). H200 at the
   # published shape: target 1.5-3.0% faster at S=512/1024/4096, self + target 2.2-3.6%.
   lazy_rescale: bool = True
-  # Run an item's epilogue while the next item's first `Q K^T` is on the tensor
-  # cores, rather than after it. Same bits; H200: target 1.5-2.7% faster, but
-  # ptxas spills registers in the self + target kernel, 7-11% slower, so it is off.
-  epilogue_under_qk: bool = False
 
   def __post_init__(self):
     if self.block_kv % 64:
@@ -177,7 +156,10 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         jnp.where(is_user, user_full, cand_kv_len // block_kv),
         is_user, user_row)
 
-  turns = Turns(wg, turn_barriers, named=config.named_barriers and not interpret)
+  # On the GPU the turns pass on named hardware barriers and each thread keeps
+  # partial softmax row sums (lanes exchanged once per item); the interpreter
+  # has neither, so it uses an mbarrier per consumer and sums whole rows.
+  turns = Turns(wg, turn_barriers, named=not interpret)
 
   def when_kind(item: _Item, for_cands, for_users):
     """Runs the candidate or the user variant of a step, by the item's kind."""
@@ -187,7 +169,7 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
       pl.when(jnp.logical_not(item.is_user))(for_cands)
       pl.when(item.is_user)(for_users)
 
-  row_sums_in_thread = config.row_sums_in_thread and not interpret
+  row_sums_in_thread = not interpret
   skip_unit_rescale = config.lazy_rescale and not interpret
 
   @pl.when(wg < NUM_CONSUMERS)
@@ -254,7 +236,8 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
       item = item_info(i)._replace(**loaded)
       next_item = item_info(jnp.minimum(i + 1, my_items - 1))
       next_has_steps = (i + 1 < my_items) & (next_item.kv_steps > 0)
-      # This item's last step issues the next item's first Q K^T.
+      # This item's last step issues the next item's first Q K^T (and this
+      # item's epilogue runs while the other consumer uses the tensor cores).
       hands_on = (item.kv_steps > 0) & next_has_steps
       tile, head, kv_len, kv_steps = item.tile, item.head, item.kv_len, item.kv_steps
       cand_rows, own_rows, row_start, user_rows = gmem_rows(item)
@@ -353,12 +336,11 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
 
           when_kind(item, store_cands, store_own_rows)
 
-      def pv_turn(step, acc, p16, m_i, l_i):
+      def pv_turn(step, acc, p16):
         """The turn of block `step`'s `P V` and the `Q K^T` after it: `(acc + P V, its logits)`.
 
         The turn goes on with this item's next block, or the next item's first
-        (its queries were copied in during this item's first step). `m_i, l_i`
-        are final at the last step, whose epilogue may run under that `Q K^T`.
+        (its queries were copied in during this item's first step).
         """
         slot = slot_of(step)
         with jax.named_scope("pv_wait"):
@@ -382,8 +364,6 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           def while_in_flight():
             # Other items copy them in while the tensor cores work on this Q K^T.
             pl.when((step == 0) & jnp.logical_not(last))(prefetch_next_queries)
-            if config.epilogue_under_qk:
-              pl.when(last)(lambda: epilogue(acc, m_i, l_i))
 
           return issue_qk(jnp.where(last, 1 - buf, buf), slot_of(step + 1), while_in_flight)
 
@@ -402,68 +382,14 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
           # Keep the softmax ahead of the barriers below (the compiler would
           # otherwise sink it past them and serialize the two consumers).
           acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-        acc, logits = pv_turn(step, acc, p16, m_new, l_i)
+        acc, logits = pv_turn(step, acc, p16)
         return acc, m_new, l_i, logits
 
-      def overlapped_step(step, carry, masked: bool):
-        """Block `step`'s `Q K^T` and block `step - 1`'s `P V` in one turn, then block `step`'s softmax while `P V` runs."""
-        acc, m_i, l_i, p16 = carry
-        k_slot, v_slot = slot_of(step), slot_of(step - 1)
-        # Outside the GEMMs' window, whose lowering cannot close over the
-        # constants the copy's indexing holds.
-        pl.when(step == 1)(prefetch_next_queries)
-        with jax.named_scope("pv_wait"):
-          plgpu.barrier_wait(k_ready.at[k_slot])
-          plgpu.barrier_wait(v_ready.at[v_slot])
-
-        def issued():
-          with jax.named_scope("turn"):
-            turns.pass_on()
-
-        def softmax(logits):
-          plgpu.barrier_arrive(k_consumed.at[k_slot])
-          with jax.named_scope("softmax"):
-            # Ahead of the wait for P V, which the compiler would otherwise sink it past.
-            return lax.optimization_barrier(online_softmax(logits, m_i, l_i, step, masked))
-
-        with jax.named_scope("gemms"):
-          (p, m_new, l_i, alpha), acc = overlapped_gemms(
-              acc, p16, q_smem=qo_smem, k_smem=k_smem.at[k_slot], v_smem=v_smem.at[v_slot],
-              before_issue=turns.sync, issued=issued, on_logits=softmax,
-              result_like=(zero_logits(), m_i, l_i, m_i), interpret=interpret)
-        plgpu.barrier_arrive(v_consumed.at[v_slot])
-        return rescale(acc, alpha), m_new, l_i, p.astype(dtype)
-
-      full_steps = item.full_steps
       carry = (acc, m_i, l_i, logits)
-      if config.overlap_softmax:
-
-        def overlapped_steps(acc, m_i, l_i, logits):
-          def first_softmax(masked: bool):
-            def softmax():
-              p, m, l, _ = online_softmax(logits, m_i, l_i, 0, masked)
-              return p.astype(dtype), m, l
-            return softmax
-
-          p16, m_i, l_i = lax.cond(full_steps > 0, first_softmax(False), first_softmax(True))
-          first_masked = jnp.maximum(full_steps, 1)
-          carry = lax.fori_loop(1, first_masked, functools.partial(overlapped_step, masked=False),
-                                (acc, m_i, l_i, p16))
-          acc, m_i, l_i, p16 = lax.fori_loop(
-              first_masked, kv_steps, functools.partial(overlapped_step, masked=True), carry)
-          acc, next_logits = pv_turn(kv_steps - 1, acc, p16, m_i, l_i)
-          return acc, m_i, l_i, next_logits
-
-        acc, m_i, l_i, next_logits = lax.cond(
-            kv_steps > 0, overlapped_steps, lambda *carry: carry, *carry)
-      else:
-        carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False), carry)
-        acc, m_i, l_i, next_logits = lax.fori_loop(
-            full_steps, kv_steps, functools.partial(kv_step, masked=True), carry)
-      if config.epilogue_under_qk:
-        pl.when(jnp.logical_not(hands_on))(lambda: epilogue(acc, m_i, l_i))
-      else:
-        epilogue(acc, m_i, l_i)
+      carry = lax.fori_loop(0, item.full_steps, functools.partial(kv_step, masked=False), carry)
+      acc, m_i, l_i, next_logits = lax.fori_loop(
+          item.full_steps, kv_steps, functools.partial(kv_step, masked=True), carry)
+      epilogue(acc, m_i, l_i)
       return first_step + kv_steps, _loaded_scalars(next_item), next_logits, hands_on
 
     first_item = item_info(0)  # every program has at least one item
@@ -508,13 +434,6 @@ def _kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref,
         slot = lax.rem(total_steps - back, stages)
         plgpu.barrier_wait(k_consumed.at[slot])
         plgpu.barrier_wait(v_consumed.at[slot])
-
-
-def _profile_params(config: Config) -> dict:
-  if not config.profile_dir:
-    return {}
-  # Enough ranges for the first items of each consumer; later events are dropped.
-  return dict(profile_space=512, profile_dir=config.profile_dir, profile_bounds_check=True)
 
 
 def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: bool,
@@ -599,7 +518,7 @@ def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: 
       grid_names=("programs",),
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True, **_profile_params(config)),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret_params(interpret),
       kernel_name=("ikbo_self_target_attention_mosaic_gpu" if has_self
                    else "ikbo_target_attention_mosaic_gpu"),

@@ -6,7 +6,7 @@ keys and values, `block_s` at a time, with the online softmax in float32. No
 K/V is ever copied to the candidate batch: candidates of one user read the same
 rows, and the grid runs `b` outermost so that programs of a user with adjacent
 candidates hit those rows in L2. Ragged T, S and the length mask are handled
-with masked loads, so callers never pad.
+with masked loads, so callers never pad and nothing past `kv_len` is read.
 """
 
 from __future__ import annotations
@@ -58,8 +58,10 @@ def _kernel(cand_to_user_ref, kv_len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref,
   # Start from a finite row max: exp(-inf - (-inf)) would be NaN on the first block.
   init = (jnp.zeros((bt, head_dim), _F32), jnp.full((bt,), -1e30, _F32), jnp.zeros((bt,), _F32))
   acc, row_max, row_sum = jax.lax.fori_loop(0, pl.cdiv(kv_len, bs), s_step, init)
-  has_keys = row_sum > 0  # False only for a user with kv_len == 0
-  out = jnp.where(has_keys[:, None], acc / jnp.where(has_keys, row_sum, 1.0)[:, None], 0.0)
+  # Decided by the length, not by the sums: a NaN read from q or k must reach
+  # the output (as in `jax.nn.dot_product_attention`), not turn it into zeros.
+  has_keys = kv_len > 0
+  out = jnp.where(has_keys, acc / jnp.where(has_keys, row_sum, 1.0)[:, None], 0.0)
   lse = jnp.where(has_keys, row_max + jnp.log(jnp.where(has_keys, row_sum, 1.0)), -jnp.inf)
   plt.store(out_ref.at[b, pl.ds(ti * bt, bt), h, :], out.astype(out_ref.dtype),
             mask=row_ok[:, None])

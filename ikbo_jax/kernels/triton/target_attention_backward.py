@@ -8,7 +8,8 @@ Both kernels recompute the probabilities from the forward's log-sum-exp,
   streams its user's first `kv_len[u]` keys: `dq = scale * (p * (dp - delta)) k`
   with `dp = d_out v^T`.
 - dk, dv: program `(u, s, h)` owns `block_s` keys of user `u` and loops over
-  that user's candidates (in the index's sort order), accumulating
+  that user's candidates (in the index's sort order) and their query blocks
+  (up to 128 rows each, so any T fits in shared memory), accumulating
   `dv += p^T d_out` and `dk += scale * ds^T q` in float32 registers. Each user's
   gradient is thus summed over all of its candidates inside one program: no
   copy of K/V per candidate, no atomics, and the result is deterministic.
@@ -21,6 +22,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -28,6 +30,7 @@ from ikbo_jax.index import CandidateIndex
 from ikbo_jax.kernels.triton.target_attention import Config
 
 _F32 = jnp.float32
+_DKV_MAX_BLOCK_T = 128
 
 
 def _probs_and_dscores(q, k, v, d_out, lse, delta, col_ok, scale):
@@ -62,7 +65,7 @@ def _dq_kernel(cand_to_user_ref, kv_len_ref, q_ref, k_ref, v_ref, d_out_ref, lse
     _, ds = _probs_and_dscores(q, k, v, d_out, lse, delta, col_ok, scale)
     return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=_F32)
 
-  dq = jax.lax.fori_loop(0, pl.cdiv(kv_len, bs), s_step, jnp.zeros((bt, head_dim), _F32))
+  dq = lax.fori_loop(0, pl.cdiv(kv_len, bs), s_step, jnp.zeros((bt, head_dim), _F32))
   plt.store(dq_ref.at[*rows, :], (dq * scale).astype(dq_ref.dtype), mask=row_ok[:, None])
 
 
@@ -71,16 +74,19 @@ def _dkv_kernel(user_offsets_ref, sort_order_ref, kv_len_ref, q_ref, k_ref, v_re
                 config: Config):
   num_t, head_dim = q_ref.shape[1], q_ref.shape[3]
   bs = config.block_s
+  t_blocks = pl.cdiv(num_t, block_t)
   u, sj, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   col_ok = sj * bs + jnp.arange(bs) < kv_len_ref[u]
   keys = (u, pl.ds(sj * bs, bs), h, slice(None))
   k = plt.load(k_ref.at[keys], mask=col_ok[:, None], other=0.0)
   v = plt.load(v_ref.at[keys], mask=col_ok[:, None], other=0.0)
-  row_ok = jnp.arange(block_t) < num_t
 
-  def cand_step(i, carry):
+  def step(i, carry):
+    """Query block `i % t_blocks` of the user's `i // t_blocks`-th candidate."""
     dk, dv = carry
-    rows = (sort_order_ref[i], pl.ds(0, block_t), h)
+    first_row = lax.rem(i, t_blocks) * block_t
+    rows = (sort_order_ref[lax.div(i, t_blocks)], pl.ds(first_row, block_t), h)
+    row_ok = first_row + jnp.arange(block_t) < num_t
     q = plt.load(q_ref.at[*rows, :], mask=row_ok[:, None], other=0.0)
     d_out = plt.load(d_out_ref.at[*rows, :], mask=row_ok[:, None], other=0.0)
     # Padded rows: lse = +inf gives p = 0, so they add nothing.
@@ -95,7 +101,7 @@ def _dkv_kernel(user_offsets_ref, sort_order_ref, kv_len_ref, q_ref, k_ref, v_re
   first = user_offsets_ref[u]
   last = jnp.where(sj * bs < kv_len_ref[u], user_offsets_ref[u + 1], first)
   zeros = jnp.zeros((bs, head_dim), _F32)
-  dk, dv = jax.lax.fori_loop(first, last, cand_step, (zeros, zeros))
+  dk, dv = lax.fori_loop(first * t_blocks, last * t_blocks, step, (zeros, zeros))
   in_seq = sj * bs + jnp.arange(bs) < k_ref.shape[1]
   plt.store(dk_ref.at[keys], (dk * scale).astype(dk_ref.dtype), mask=in_seq[:, None])
   plt.store(dv_ref.at[keys], dv.astype(dv_ref.dtype), mask=in_seq[:, None])
@@ -132,8 +138,9 @@ def target_attention_backward(q, k, v, out, lse, d_out, d_lse, index: CandidateI
       interpret=interpret,
       name="ikbo_target_attention_dq_triton",
   )(index.clamped_cand_to_user, kv_len, q, k, v, d_out, lse, delta)
-  # One program holds all T rows of a candidate (T rounded up to a power of two).
-  block_t = max(16, pl.next_power_of_2(num_t))
+  # A candidate's T rows in blocks of up to 128 (a power of two, at least 16):
+  # larger blocks would not fit in shared memory (T = 256 needs 330 KB).
+  block_t = min(_DKV_MAX_BLOCK_T, max(16, pl.next_power_of_2(num_t)))
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, scale=scale, block_t=block_t, config=config),
       out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
