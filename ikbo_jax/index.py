@@ -53,15 +53,13 @@ class CandidateIndex:
 
   def __post_init__(self):
     num_users = _static_positive_int(self.num_users, "num_users")
-    cand_to_user = jnp.asarray(self.cand_to_user)
-    if cand_to_user.ndim != 1:
+    cand_to_user = self.cand_to_user
+    if np.ndim(cand_to_user) != 1:
       raise ValueError(
-          f"cand_to_user must have rank 1 [num_candidates], got shape {cand_to_user.shape}")
-    if not jnp.issubdtype(cand_to_user.dtype, jnp.integer):
-      raise TypeError(f"cand_to_user must be an integer array, got dtype {cand_to_user.dtype}")
-    if cand_to_user.shape[0] == 0:
+          f"cand_to_user must have rank 1 [num_candidates], got shape {np.shape(cand_to_user)}")
+    if np.shape(cand_to_user)[0] == 0:
       raise ValueError("cand_to_user is empty: a batch needs at least one candidate")
-    cand_to_user = saturate_to_int32(cand_to_user)
+    cand_to_user = as_int32(cand_to_user, "cand_to_user")
     # Out-of-range ids would fall outside every segment; clamp so that the
     # derived metadata stays well formed (ops clamp the same way).
     clamped = jnp.clip(cand_to_user, 0, num_users - 1)
@@ -170,14 +168,30 @@ def _unflatten(num_users: int, data) -> CandidateIndex:
 jax.tree_util.register_pytree_node(CandidateIndex, _flatten, _unflatten)
 
 
-def saturate_to_int32(x):
-  """Integer `x` as int32; values past int32's range saturate rather than wrap."""
+def as_int32(x, name: str):
+  """Integer `x` (array-like or a JAX array) as an int32 JAX array.
+
+  Values past int32's range saturate rather than wrap. NumPy input is
+  saturated before it becomes a JAX array, since without 64-bit mode JAX
+  itself would wrap it on the way in.
+  """
+  if not isinstance(x, jax.Array):
+    x = np.asarray(x)
+    if x.size and not np.issubdtype(x.dtype, np.integer):
+      raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
+    x = np.clip(x, *_int32_range(x.dtype)).astype(np.int32) if x.size else x.astype(np.int32)
+    return jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
   if x.dtype == jnp.int32:
     return x
-  info = np.iinfo(np.int32)
-  lo = max(info.min, int(np.iinfo(x.dtype).min))
-  hi = min(info.max, int(np.iinfo(x.dtype).max))
-  return jnp.clip(x, lo, hi).astype(jnp.int32)
+  return jnp.clip(x, *_int32_range(x.dtype)).astype(jnp.int32)
+
+
+def _int32_range(dtype) -> tuple[int, int]:
+  """int32's range, narrowed to what `dtype` can hold (so both bounds are valid in it)."""
+  info, own = np.iinfo(np.int32), np.iinfo(dtype)
+  return max(int(info.min), int(own.min)), min(int(info.max), int(own.max))
 
 
 def _static_positive_int(value, name: str) -> int:

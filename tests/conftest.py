@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from ikbo_jax import CandidateIndex
+from ikbo_jax.testing import error_rule
 
 
 def pytest_collection_modifyitems(config, items):
@@ -48,8 +49,8 @@ def rel_err(x, ref) -> float:
   return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
-def assert_within_reference_error(out, same_precision_ref, f32_ref, floor=1e-6):
-  """The kernel's error vs float32 is at most 2x the same-precision XLA error plus a floor."""
-  kernel_err = rel_err(out, f32_ref)
-  ref_err = rel_err(same_precision_ref, f32_ref)
-  assert kernel_err <= 2 * ref_err + floor, (kernel_err, ref_err)
+def assert_within_reference_error(out, same_precision_ref, f32_ref, dtype=None, name="output"):
+  """The project's error rule (`ikbo_jax.testing.error_rule`): globally and per row, at most
+  twice the same-precision XLA error plus the floor of `dtype` (default: `out`'s dtype)."""
+  error_rule.assert_within_reference_error(
+      name, out, same_precision_ref, f32_ref, out.dtype if dtype is None else dtype)

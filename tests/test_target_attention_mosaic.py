@@ -25,7 +25,7 @@ def _check_forward(args, index, kv_len, **kwargs):
   f32, f32_lse = target_attention(*[a.astype(jnp.float32) for a in args], index, kv_len=kv_len,
                                   return_lse=True, implementation="xla_materialized")
   assert out.dtype == args[0].dtype and out.shape == args[0].shape
-  assert_within_reference_error(out, same, f32, floor=1e-4)
+  assert_within_reference_error(out, same, f32)
   finite = np.isfinite(np.asarray(f32_lse))
   np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
   np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(f32_lse)[finite],
@@ -131,7 +131,7 @@ def test_gpu_forward_and_gradients_at_benchmark_heads(t):
   same = grad_fn("xla_materialized")(*args)
   f32 = grad_fn("xla_materialized")(*[a.astype(jnp.float32) for a in args])
   for g, s, r in zip(grads, same, f32):
-    assert_within_reference_error(g, s, r, floor=1e-3)
+    assert_within_reference_error(g, s, r)
   # dk/dv are summed per user inside one program (no atomics): bitwise repeatable.
   for g, again in zip(grads, grad_fn("mosaic_gpu")(*args)):
     np.testing.assert_array_equal(g, again)
@@ -174,5 +174,5 @@ def test_interpret_lazy_rescale_within_reference_error():
   same, f32 = [target_attention(*[a.astype(dtype) for a in (q, k, v)], index, kv_len=kv_len,
                                 scale=0.125, implementation="xla")
                for dtype in (q.dtype, jnp.float32)]
-  assert_within_reference_error(out, same, f32, floor=1e-3)
+  assert_within_reference_error(out, same, f32)
   np.testing.assert_allclose(lse, eager_lse, rtol=1e-5, atol=1e-5)

@@ -19,7 +19,7 @@ from jax.experimental import checkify
 
 from ikbo_jax import _dispatch
 from ikbo_jax import _validation as checks
-from ikbo_jax.index import CandidateIndex, saturate_to_int32
+from ikbo_jax.index import CandidateIndex, as_int32
 from ikbo_jax.kernels.triton import target_attention as triton_kernel
 from ikbo_jax.kernels.triton import target_attention_backward as triton_backward
 from ikbo_jax.ops import target_attention_mosaic as mosaic
@@ -152,19 +152,19 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
 def prepare_kv_len(kv_len, index: CandidateIndex, seq_len: int, checked: bool):
   """`kv_len` as `int32[U]` clamped to `[0, S]` (default `S`), checked first when `checked`.
 
-  The range check and the clamp run in the caller's dtype, so a wide length
-  saturates instead of wrapping around when it becomes int32.
+  A length past int32's range saturates instead of wrapping around, so the
+  check and the clamp see it as out of range.
   """
   if checked:
     index.check()
   if kv_len is None:
     return jnp.full((index.num_users,), seq_len, jnp.int32)
-  kv_len = jnp.asarray(kv_len)
+  kv_len = as_int32(kv_len, "kv_len")
   if checked:
     checkify.check(jnp.all((kv_len >= 0) & (kv_len <= seq_len)),
                    f"kv_len values must lie in [0, S={seq_len}]; got min {{lo}}, max {{hi}}",
                    lo=jnp.min(kv_len), hi=jnp.max(kv_len))
-  return saturate_to_int32(jnp.clip(kv_len, 0, seq_len))
+  return jnp.clip(kv_len, 0, seq_len)
 
 
 def check_args(q, k, v, index, kv_len, *, q_name: str = "q") -> None:

@@ -37,8 +37,9 @@ def attention(q, k, v, kv_len, *, scale: float, causal: bool = False, precision=
   logits = jnp.where(valid, logits, -jnp.inf)
   row_max = jnp.max(logits, axis=-1, keepdims=True)
   # A query with no valid key gets zero weights (and output) and lse = -inf.
-  # Any other row keeps its NaN or Inf (logsumexp would drop a NaN logit).
-  no_keys = row_max == -jnp.inf
+  # Any other row keeps its NaN or Inf: decided by comparison, since XLA's max
+  # may skip NaN, and logsumexp would drop a NaN logit.
+  no_keys = jnp.all(logits == -jnp.inf, axis=-1, keepdims=True)
   shifted = jnp.exp(logits - jnp.where(no_keys, 0.0, jax.lax.stop_gradient(row_max)))
   total = jnp.sum(shifted, axis=-1, keepdims=True)
   probs = jnp.where(no_keys, 0.0, shifted / jnp.where(no_keys, 1.0, total))

@@ -1,0 +1,312 @@
+"""A seeded, randomized correctness sweep of every op and every implementation that claims the inputs.
+
+`draw_*_case(rng)` draws one problem from the space the README promises
+(sizes aligned and not, tiny and large, user/candidate ratios from 1 to
+1000, users without candidates, sorted and shuffled mappings, lengths of 0,
+1, S and around block edges, every dtype). `run_case` builds fresh random
+inputs, computes the error rule's two references once, and for every
+implementation that `ikbo_jax._dispatch` says supports the inputs on this
+device checks the forward outputs and the gradient of every float input
+(for a random cotangent) with `error_rule.compare`, and that two calls give
+the same bits. The GPU tests run a fixed set of cases; `tools/soak.py` runs
+as many as a time budget allows and prints the worst per op and implementation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ikbo_jax import _dispatch
+from ikbo_jax.index import CandidateIndex
+from ikbo_jax.ops import linear_compression as lce_op
+from ikbo_jax.ops import self_target_attention as self_target_op
+from ikbo_jax.ops import target_attention as target_op
+from ikbo_jax.testing import error_rule, references
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+DTYPES = ("bfloat16", "float16", "float32")
+OPS = ("linear_compression", "target_attention", "self_target_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mapping:
+  """How candidates map to users: `num_users` users, `num_empty` of them without candidates."""
+
+  num_users: int
+  num_candidates: int
+  num_empty: int
+  sorted: bool
+
+  def index(self, rng: np.random.Generator) -> CandidateIndex:
+    live = rng.permutation(self.num_users)[: self.num_users - self.num_empty]
+    ids = rng.choice(live, size=self.num_candidates)
+    ids[: len(live)] = live[: self.num_candidates]  # every live user appears
+    ids = np.sort(ids) if self.sorted else rng.permutation(ids)
+    return CandidateIndex.from_mapping(jnp.asarray(ids, jnp.int32), self.num_users)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCompressionCase:
+  seed: int
+  mapping: Mapping
+  m: int
+  n: int
+  k_user: int
+  k_cand: int
+  dtype: str
+  op = "linear_compression"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCase:
+  """Target attention, or self + target attention when `causal` is not None."""
+
+  seed: int
+  mapping: Mapping
+  n_seed: int
+  seq_len: int
+  heads: int
+  head_dim: int
+  kv_len: tuple[int, ...]
+  dtype: str
+  causal: bool | None = None
+
+  @property
+  def op(self) -> str:
+    return "target_attention" if self.causal is None else "self_target_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  """One implementation on one case: every output's comparison and the repeatability."""
+
+  case: LinearCompressionCase | AttentionCase
+  implementation: str
+  comparisons: tuple[error_rule.Comparison, ...]
+  repeatable: bool  # the forward, and the gradients where the backward promises it
+
+  @property
+  def ok(self) -> bool:
+    return self.repeatable and all(c.ok for c in self.comparisons)
+
+  def describe(self) -> str:
+    lines = [f"{self.case.op} / {self.implementation}: {self.case}"]
+    lines += [("  ok   " if c.ok else "  FAIL ") + c.describe() for c in self.comparisons]
+    lines.append(f"  repeatable: {self.repeatable}")
+    return "\n".join(lines)
+
+
+def _pick(rng, pool, low, high, pool_weight=0.7) -> int:
+  """From `pool` (edge cases) most of the time, else uniform in `[low, high]`."""
+  if rng.random() < pool_weight:
+    return int(rng.choice(pool))
+  return int(rng.integers(low, high + 1))
+
+
+def _mapping(rng, user_pool, ratio_pool, max_candidates: int) -> Mapping:
+  num_users = int(rng.choice(user_pool))
+  ratio = float(rng.choice(ratio_pool))
+  num_cands = int(np.clip(round(num_users * ratio * rng.uniform(0.7, 1.3)), 1, max_candidates))
+  num_users = min(num_users, max(num_cands, 1))
+  num_empty = int(rng.integers(0, num_users)) if rng.random() < 0.4 else 0
+  num_empty = min(num_empty, num_users - 1)
+  return Mapping(num_users, num_cands, num_empty, bool(rng.random() < 0.3))
+
+
+def _dtype(rng) -> str:
+  return str(rng.choice(DTYPES, p=(0.5, 0.25, 0.25)))
+
+
+def draw_linear_compression_case(seed: int, max_elements: int = 30_000_000) -> LinearCompressionCase:
+  rng = np.random.default_rng((seed, 0))
+  m = _pick(rng, (1, 7, 8, 63, 64, 65, 70, 96, 128, 200, 433), 1, 600)
+  n = _pick(rng, (1, 3, 8, 32, 63, 64, 65, 96, 128, 192, 256, 320), 1, 600)
+  k_user = _pick(rng, (1, 5, 8, 16, 64, 100, 128, 300), 1, 600)
+  k_cand = _pick(rng, (1, 5, 8, 16, 64, 100, 128, 300), 1, 600)
+  # The candidate batch is capped so that each [B, *, N] tensor stays small.
+  max_cands = max(1, min(2000, max_elements // (n * max(m, k_cand))))
+  mapping = _mapping(rng, (1, 2, 3, 7, 15, 40, 257), (1, 2, 5, 10, 70, 300, 1000), max_cands)
+  return LinearCompressionCase(seed, mapping, m, n, k_user, k_cand, _dtype(rng))
+
+
+def _lengths(rng, num_users: int, seq_len: int) -> tuple[int, ...]:
+  edges = [0, 1, seq_len, seq_len - 1] + [e for e in (63, 64, 65, 127, 128, 129, 255, 256, 257)
+                                          if e < seq_len]
+  return tuple(int(rng.choice(edges)) if rng.random() < 0.6 else int(rng.integers(0, seq_len + 1))
+               for _ in range(num_users))
+
+
+def draw_attention_case(seed: int, self_attention: bool = False,
+                        max_logits: int = 150_000_000) -> AttentionCase:
+  rng = np.random.default_rng((seed, 2 if self_attention else 1))
+  n_seed = _pick(rng, (1, 2, 7, 16, 24, 32, 64, 65, 100, 128, 256, 512), 1, 512)
+  seq_len = _pick(rng, (1, 2, 63, 64, 127, 128, 129, 200, 1000, 2000, 5000), 1, 5000)
+  heads = int(rng.choice((1, 2, 4)))
+  if self_attention:  # one user's own S x S logits must fit the budget
+    seq_len = max(1, min(seq_len, int(np.sqrt(max_logits / heads))))
+  head_dim = int(rng.choice((64, 128))) if rng.random() < 0.7 else int(rng.choice((16, 32, 48, 96)))
+  max_cands = max(1, min(600, max_logits // (n_seed * seq_len * heads)))
+  mapping = _mapping(rng, (1, 2, 3, 5, 16, 32), (1, 2, 7, 64, 200), max_cands)
+  if self_attention:  # the users' own S x S logits count too
+    users = max(1, min(mapping.num_users, max_logits // (seq_len * seq_len * heads)))
+    mapping = dataclasses.replace(mapping, num_users=users,
+                                  num_empty=min(mapping.num_empty, users - 1),
+                                  num_candidates=max(mapping.num_candidates, users))
+  causal = bool(rng.random() < 0.5) if self_attention else None
+  return AttentionCase(seed, mapping, n_seed, seq_len, heads, head_dim,
+                       _lengths(rng, mapping.num_users, seq_len), _dtype(rng), causal)
+
+
+def draw_case(op: str, seed: int, size: float = 1.0):
+  """One case of `op`; `size` scales the budget on its largest tensors (CPU tests use less)."""
+  match op:
+    case "linear_compression":
+      return draw_linear_compression_case(seed, max_elements=int(30_000_000 * size))
+    case "target_attention":
+      return draw_attention_case(seed, max_logits=int(150_000_000 * size))
+    case "self_target_attention":
+      return draw_attention_case(seed, self_attention=True, max_logits=int(150_000_000 * size))
+  raise ValueError(f"op must be one of {OPS}, got {op!r}")
+
+
+def _normal(key, shape, dtype, scale=1.0):
+  return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+def _lce_problem(case: LinearCompressionCase):
+  keys = jax.random.split(jax.random.key(case.seed), 5)
+  b, u = case.mapping.num_candidates, case.mapping.num_users
+  shapes = ((case.m, case.k_user), (case.m, case.k_cand), (u, case.k_user, case.n),
+            (b, case.k_cand, case.n))
+  fan_in = case.k_user + case.k_cand
+  args = tuple(_normal(key, s, case.dtype, 1 / np.sqrt(fan_in) if len(s) == 2 else 1.0)
+               for key, s in zip(keys, shapes))
+  cotangent = _normal(keys[4], (b, case.m, case.n), case.dtype)
+  index = case.mapping.index(np.random.default_rng(case.seed))
+
+  def run(impl):
+    return lambda *a: lce_op.linear_compression(*a, index, implementation=impl)
+
+  def reference(precision):
+    return lambda *a: references.linear_compression(*a, index.cand_to_user, precision=precision)
+
+  return dict(args=args, cotangents=cotangent, run=run, reference=reference,
+              backends=lce_op.BACKENDS, facts={}, names=("out",),
+              grad_names=("d_w_user", "d_w_cand", "d_e_user", "d_e_cand"))
+
+
+def _attention_problem(case: AttentionCase):
+  keys = jax.random.split(jax.random.key(case.seed), 7)
+  b, u = case.mapping.num_candidates, case.mapping.num_users
+  t, s, h, d = case.n_seed, case.seq_len, case.heads, case.head_dim
+  index = case.mapping.index(np.random.default_rng(case.seed))
+  kv_len = jnp.asarray(case.kv_len, jnp.int32)
+  scale = 1 / np.sqrt(d)
+  q = _normal(keys[0], (b, t, h, d), case.dtype)
+  k, v = (_normal(key, (u, s, h, d), case.dtype) for key in keys[1:3])
+  lse_cotangent = jax.random.normal(keys[3], (b, t, h), jnp.float32)
+  if case.causal is None:
+    def run(impl):
+      return lambda *a: target_op.target_attention(
+          *a, index, kv_len=kv_len, return_lse=True, implementation=impl)
+
+    def reference(precision):
+      return lambda *a: references.target_attention(
+          *a, index.cand_to_user, kv_len, scale=scale, precision=precision)
+
+    return dict(args=(q, k, v), cotangents=(_normal(keys[4], q.shape, case.dtype), lse_cotangent),
+                run=run, reference=reference, backends=target_op.BACKENDS,
+                facts=dict(head_dim=d), names=("out", "lse"), grad_names=("dq", "dk", "dv"))
+  q_user = _normal(keys[5], (u, s, h, d), case.dtype)
+
+  def run(impl):
+    return lambda *a: self_target_op.self_target_attention(
+        *a, index, kv_len=kv_len, causal=case.causal, implementation=impl)
+
+  def reference(precision):
+    return lambda *a: references.self_target_attention(
+        *a, index.cand_to_user, kv_len, scale=scale, causal=case.causal, precision=precision)
+
+  cotangents = (_normal(keys[6], q_user.shape, case.dtype), _normal(keys[4], q.shape, case.dtype))
+  return dict(args=(q_user, q, k, v), cotangents=cotangents, run=run, reference=reference,
+              backends=self_target_op.BACKENDS, facts=dict(head_dim=d),
+              names=("out_user", "out_cand"), grad_names=("dq_user", "dq_cand", "dk", "dv"))
+
+
+def _repeatable_outputs(case, implementation: str, num_outputs: int) -> int:
+  """How many leading outputs (forward, then gradients) must be bitwise repeatable.
+
+  Every forward must be. So must the gradients of the backward kernels that
+  promise it: Triton's target-attention backward (dk/dv summed per user in one
+  program) and the linear-compression kernels' backward while its per-user
+  reduction is a one-hot GEMM (more users take XLA's scatter-add, whose
+  atomics add in any order, as do XLA's own paths and cuDNN's backward).
+  """
+  forward = 2 if case.op != "linear_compression" else 1
+  kernels = ("triton", "mosaic_gpu")
+  if case.op == "target_attention" and implementation in kernels:
+    return num_outputs
+  if (case.op == "linear_compression" and implementation in kernels
+      and case.mapping.num_users <= 256):
+    return num_outputs
+  return forward
+
+
+def _forward_and_grads(fn, args, cotangents):
+  out, vjp = jax.vjp(fn, *args)
+  return out, vjp(cotangents)
+
+
+def _leaves(x) -> list:
+  return jax.tree.leaves(x)
+
+
+def run_case(case, implementations: tuple[str, ...] | None = None) -> list[Result]:
+  """Checks each implementation that supports `case` on this device (or those named)."""
+  problem = _lce_problem(case) if case.op == "linear_compression" else _attention_problem(case)
+  supported = _dispatch.supported(problem["backends"], case.dtype, **problem["facts"])
+  chosen = supported if implementations is None else tuple(
+      i for i in implementations if i in supported)
+  if not chosen:
+    return []
+  args, cotangents = problem["args"], problem["cotangents"]
+  upcast = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+  f32 = jax.jit(functools.partial(_forward_and_grads, problem["reference"](_HIGHEST)))(
+      upcast(args), upcast(cotangents))
+  same = jax.jit(functools.partial(_forward_and_grads, problem["reference"](None)))(
+      args, cotangents)
+  names = problem["names"] + problem["grad_names"]
+  results = []
+  for impl in chosen:
+    step = jax.jit(functools.partial(_forward_and_grads, problem["run"](impl)))
+    got = step(args, cotangents)
+    again = step(args, cotangents)
+    comparisons = tuple(
+        error_rule.compare(name, x, s, r, case.dtype)
+        for name, x, s, r in zip(names, _leaves(got), _leaves(same), _leaves(f32)))
+    checked = _repeatable_outputs(case, impl, len(names))
+    repeatable = all(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+                     for a, b in list(zip(_leaves(got), _leaves(again)))[:checked])
+    results.append(Result(case, impl, comparisons, repeatable))
+  return results
+
+
+def summarize(results: list[Result]) -> dict:
+  """Per op and implementation: cases, failures, repeatability and the worst ratio per output."""
+  summary = {}
+  for result in results:
+    entry = summary.setdefault(f"{result.case.op}/{result.implementation}", dict(
+        cases=0, failures=0, not_repeatable=0, worst_ratio={}, worst_row_excess={}))
+    entry["cases"] += 1
+    entry["failures"] += not result.ok
+    entry["not_repeatable"] += not result.repeatable
+    for c in result.comparisons:
+      entry["worst_ratio"][c.name] = max(entry["worst_ratio"].get(c.name, 0.0), c.ratio)
+      entry["worst_row_excess"][c.name] = max(
+          entry["worst_row_excess"].get(c.name, -np.inf), c.worst_row_excess)
+  return summary
