@@ -2,8 +2,9 @@
 # One device call: benchmarks and attention diagnostics first (the numbers that matter most if
 # the call is cut short), then GPU tests, the demo and the linear-compression diagnostics. Results go to $OUT.
 # Set IKBO_COMMIT (the device copy has no .git). STEPS picks what runs, by default
-# "lc attention self_target tests demo diagnostics"; also "attention_tests" (the attention GPU
-# tests only), "attention_diagnostics" and "attention_ncu" (Nsight Compute). DIAG_ARGS go to the attention diagnostics. BENCH_ARGS=--no-sweeps shortens the lc step.
+# "lc attention self_target tests demo diagnostics"; also "sweep" (the randomized correctness
+# sweep and the regression tests, failures in full), "soak" (tools/soak.py for SOAK_MINUTES),
+# "attention_tests" (the attention GPU tests only), "attention_diagnostics" and "attention_ncu" (Nsight Compute). DIAG_ARGS go to the attention diagnostics. BENCH_ARGS=--no-sweeps shortens the lc step.
 set -uo pipefail
 OUT=${OUT:-/tmp/ikbo_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -58,6 +59,16 @@ if has tests; then
   timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -q -p no:cacheprovider tests -m gpu -rA 2>&1 \
     | tail -n 60 > "$OUT/gpu_tests.log"
   tail -n 4 "$OUT/gpu_tests.log"
+fi
+if has sweep; then
+  # -s: the sweep prints each failure as it happens, so a run cut by its limit keeps them.
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -s -p no:cacheprovider -m gpu --tb=line -rf \
+    tests/test_gpu_sweep.py tests/test_regressions.py 2>&1 | tee "$OUT/gpu_sweep.log" \
+    | grep -E "FAIL |^FAILED|passed|failed" | cut -c1-400
+fi
+if has soak; then
+  timeout $(( ${SOAK_MINUTES:-5} * 60 + 120 )) python3 tools/soak.py --minutes "${SOAK_MINUTES:-5}" \
+    --out "$OUT/soak_h200.json" 2>&1 | tail -n 20 | cut -c1-400
 fi
 if has attention_tests; then
   timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -q -p no:cacheprovider -m gpu -rA \

@@ -22,4 +22,7 @@ def test_gpu_sweep(op, seed):
   results = sweep.run_case(case)
   assert results, f"no implementation supports {case}"
   failures = [r.describe() for r in results if not r.ok]
+  # Printed now as well: under `pytest -s` a run cut short by a time limit keeps them.
+  for failure in failures:
+    print(failure, flush=True)
   assert not failures, "\n".join(failures)

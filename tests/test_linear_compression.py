@@ -2,10 +2,12 @@
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 from jax.experimental import checkify
 from jax.sharding import AbstractDevice, AbstractMesh
 
@@ -253,3 +255,16 @@ def test_sum_per_user_both_paths(num_users):
   ref = np.zeros((num_users, 3, 2))
   np.add.at(ref, np.asarray(ids), np.asarray(x))
   np.testing.assert_allclose(sum_per_user(x, ids, num_users), ref, rtol=1e-5, atol=1e-5)
+
+
+class TestWithAndWithoutJit(chex.TestCase):
+  """chex variants: the op's dispatch and validation hold traced and eagerly."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters("xla", "xla_materialized")
+  def test_matches_float32_reference(self, implementation):
+    args, index = _problem(31, jnp.float32)
+    op = self.variant(lambda *a: linear_compression(*a, index, implementation=implementation))
+    out = op(*args)
+    chex.assert_shape(out, (index.num_candidates, SMALL[0], SMALL[3]))
+    chex.assert_trees_all_close(out, _f32_reference(args, index), rtol=1e-5, atol=1e-5)

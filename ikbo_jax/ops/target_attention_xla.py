@@ -15,6 +15,8 @@ keeps it out of the gradients).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -61,12 +63,63 @@ def chunked(q, k, v, cand_to_user, kv_len, *, scale: float, chunk: int = 32, pre
   Each step gathers the K/V of only `chunk` candidates, so the live copy is
   `chunk * S * H * D` elements instead of `B * S * H * D`. The FLOPs are those
   of the materialized form; sharing K/V reads across a user's candidates is the
-  kernels' job.
+  kernels' job. The backward runs chunk by chunk too and sums each user's K/V
+  gradients over its candidates in float32 (plain autodiff would accumulate
+  them in the input dtype, several times less accurately for 16-bit inputs).
   """
+  return _chunked(scale, chunk, precision, q, k, v, cand_to_user, kv_len)
+
+
+def _in_chunks(x, chunk: int):
+  """`[B, ...]` zero-padded to whole chunks, as `[num_chunks, chunk, ...]`."""
+  padded = -(-x.shape[0] // chunk) * chunk
+  x = jnp.pad(x, [(0, padded - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+  return x.reshape(padded // chunk, chunk, *x.shape[1:])
+
+
+def _candidate_attention(scale, precision, kv_len, q_b, k_b, v_b, user):
+  """One candidate's `(out, lse)`: `q_b [T, H, D]` over its user's `k_b, v_b [S, H, D]`."""
+  out, lse = attention(q_b[None], k_b[None], v_b[None], kv_len[user][None], scale=scale,
+                       precision=precision)
+  return out[0], lse[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _chunked(scale, chunk, precision, q, k, v, cand_to_user, kv_len):
   def one_candidate(args):
     q_b, user = args
-    out, lse = attention(q_b[None], k[user][None], v[user][None], kv_len[user][None],
-                         scale=scale, precision=precision)
-    return out[0], lse[0]
+    return _candidate_attention(scale, precision, kv_len, q_b, k[user], v[user], user)
 
   return jax.lax.map(one_candidate, (q, cand_to_user), batch_size=chunk)
+
+
+def _chunked_fwd(scale, chunk, precision, q, k, v, cand_to_user, kv_len):
+  return (_chunked(scale, chunk, precision, q, k, v, cand_to_user, kv_len),
+          (q, k, v, cand_to_user, kv_len))
+
+
+def _chunked_bwd(scale, chunk, precision, residuals, cotangents):
+  q, k, v, cand_to_user, kv_len = residuals
+  d_out, d_lse = cotangents
+
+  def candidate_grads(q_b, user, d_out_b, d_lse_b):
+    _, vjp = jax.vjp(functools.partial(_candidate_attention, scale, precision, kv_len),
+                     q_b, k[user], v[user], user)
+    return vjp((d_out_b, d_lse_b))[:3]
+
+  def chunk_step(sums, xs):
+    # Padding candidates carry zero cotangents, so they add nothing to user 0.
+    users = xs[1]
+    dq, dk_rows, dv_rows = jax.vmap(candidate_grads)(*xs)
+    dk_sum, dv_sum = sums
+    return (dk_sum.at[users].add(dk_rows.astype(_F32)),
+            dv_sum.at[users].add(dv_rows.astype(_F32))), dq
+
+  zeros = jnp.zeros(k.shape, _F32)
+  xs = tuple(_in_chunks(x, chunk) for x in (q, cand_to_user, d_out, d_lse))
+  (dk, dv), dq = jax.lax.scan(chunk_step, (zeros, zeros), xs)
+  dq = dq.reshape(-1, *q.shape[1:])[: q.shape[0]]
+  return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)

@@ -89,14 +89,17 @@ class Result:
   implementation: str
   comparisons: tuple[error_rule.Comparison, ...]
   repeatable: bool  # the forward, and the gradients where the backward promises it
+  reported_only: tuple[str, ...] = ()  # outputs measured but not held to the rule
 
   @property
   def ok(self) -> bool:
-    return self.repeatable and all(c.ok for c in self.comparisons)
+    return self.repeatable and all(c.ok for c in self.comparisons
+                                   if c.name not in self.reported_only)
 
   def describe(self) -> str:
     lines = [f"{self.case.op} / {self.implementation}: {self.case}"]
-    lines += [("  ok   " if c.ok else "  FAIL ") + c.describe() for c in self.comparisons]
+    lines += [("  ok   " if c.ok else "  info " if c.name in self.reported_only else "  FAIL ")
+              + c.describe() for c in self.comparisons]
     lines.append(f"  repeatable: {self.repeatable}")
     return "\n".join(lines)
 
@@ -257,6 +260,28 @@ def _repeatable_outputs(case, implementation: str, num_outputs: int) -> int:
   return forward
 
 
+def _reported_only(case, implementation: str) -> tuple[str, ...]:
+  """The materialized baseline's user-side gradients, from 16-bit inputs.
+
+  `xla_materialized` is plain autodiff through the broadcast, the computation
+  models run today: its user-side gradients are a scatter-add in the input
+  dtype, several times less accurate than the float32 per-user sums the
+  reference (and every IKBO path) uses. They are the baseline, not a path
+  under test, so they are reported but not held to the rule.
+  """
+  if implementation != "xla_materialized" or case.dtype == "float32":
+    return ()
+  return ("d_w_user", "d_e_user") if case.op == "linear_compression" else ("dk", "dv")
+
+
+def _error_scales(names, f32) -> dict:
+  """Attention's dq and dk cancel to zero for one-key histories; measure them on dv's scale."""
+  if "dv" not in names:
+    return {}
+  dv_norm = float(np.linalg.norm(np.asarray(_leaves(f32)[names.index("dv")], np.float64)))
+  return {name: dv_norm for name in names if name.startswith(("dq", "dk"))}
+
+
 def _forward_and_grads(fn, args, cotangents):
   out, vjp = jax.vjp(fn, *args)
   return out, vjp(cotangents)
@@ -281,18 +306,19 @@ def run_case(case, implementations: tuple[str, ...] | None = None) -> list[Resul
   same = jax.jit(functools.partial(_forward_and_grads, problem["reference"](None)))(
       args, cotangents)
   names = problem["names"] + problem["grad_names"]
+  scales = _error_scales(names, f32)
   results = []
   for impl in chosen:
     step = jax.jit(functools.partial(_forward_and_grads, problem["run"](impl)))
     got = step(args, cotangents)
     again = step(args, cotangents)
     comparisons = tuple(
-        error_rule.compare(name, x, s, r, case.dtype)
+        error_rule.compare(name, x, s, r, case.dtype, scales.get(name, 0.0))
         for name, x, s, r in zip(names, _leaves(got), _leaves(same), _leaves(f32)))
     checked = _repeatable_outputs(case, impl, len(names))
     repeatable = all(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
                      for a, b in list(zip(_leaves(got), _leaves(again)))[:checked])
-    results.append(Result(case, impl, comparisons, repeatable))
+    results.append(Result(case, impl, comparisons, repeatable, _reported_only(case, impl)))
   return results
 
 
@@ -304,6 +330,7 @@ def summarize(results: list[Result]) -> dict:
         cases=0, failures=0, not_repeatable=0, worst_ratio={}, worst_row_excess={}))
     entry["cases"] += 1
     entry["failures"] += not result.ok
+    entry["reported_only"] = list(result.reported_only)
     entry["not_repeatable"] += not result.repeatable
     for c in result.comparisons:
       entry["worst_ratio"][c.name] = max(entry["worst_ratio"].get(c.name, 0.0), c.ratio)
