@@ -9,7 +9,7 @@ Both kernels recompute the probabilities from the forward's log-sum-exp,
   with `dp = d_out v^T`.
 - dk, dv: program `(u, s, h)` owns `block_s` keys of user `u` and loops over
   that user's candidates (in the index's sort order) and their query blocks
-  (up to 128 rows each, so any T fits in shared memory), accumulating
+  (at most 128 rows and 32 KB each, so any T fits in shared memory), accumulating
   `dv += p^T d_out` and `dk += scale * ds^T q` in float32 registers. Each user's
   gradient is thus summed over all of its candidates inside one program: no
   copy of K/V per candidate, no atomics, and the result is deterministic.
@@ -30,7 +30,9 @@ from ikbo_jax.index import CandidateIndex
 from ikbo_jax.kernels.triton.target_attention import Config
 
 _F32 = jnp.float32
-_DKV_MAX_BLOCK_T = 128
+# Bytes of one query (or output-cotangent) block of the dk/dv kernel: 128 rows of
+# bfloat16 at D = 128, the largest that ran on the H200 beside its K/V blocks.
+_DKV_MAX_BLOCK_BYTES = 128 * 128 * 2
 
 
 def _probs_and_dscores(q, k, v, d_out, lse, delta, col_ok, scale):
@@ -138,9 +140,11 @@ def target_attention_backward(q, k, v, out, lse, d_out, d_lse, index: CandidateI
       interpret=interpret,
       name="ikbo_target_attention_dq_triton",
   )(index.clamped_cand_to_user, kv_len, q, k, v, d_out, lse, delta)
-  # A candidate's T rows in blocks of up to 128 (a power of two, at least 16):
-  # larger blocks would not fit in shared memory (T = 256 needs 330 KB).
-  block_t = min(_DKV_MAX_BLOCK_T, max(16, pl.next_power_of_2(num_t)))
+  # A candidate's T rows in blocks of a power of two: at least 16 rows, at most
+  # 128 and at most 32 KB of queries (64 rows of float32 at D = 128). Larger
+  # blocks do not fit in shared memory (bfloat16 T = 256 asked for 330 KB).
+  max_block_t = max(16, min(128, _DKV_MAX_BLOCK_BYTES // (q.shape[3] * q.dtype.itemsize)))
+  block_t = min(max_block_t, max(16, pl.next_power_of_2(num_t)))
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, scale=scale, block_t=block_t, config=config),
       out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
