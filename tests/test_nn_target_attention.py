@@ -40,8 +40,7 @@ def test_gradients_reach_every_projection():
 def test_interpret_kernel_path_matches_xla():
   """`interpret=` reaches the op: the module's Triton path runs under the Pallas interpreter."""
   index = random_index(np.random.default_rng(2), num_users=2, num_candidates=3)
-  kwargs = dict(num_heads=2, user_features=32, rngs=nnx.Rngs(0))
-  kernel = TargetAttention(implementation="triton", interpret=True, **kwargs)
-  xla = TargetAttention(implementation="xla", **kwargs)
+  kernel = TargetAttention(2, 32, implementation="triton", interpret=True, rngs=nnx.Rngs(0))
+  xla = TargetAttention(2, 32, implementation="xla", rngs=nnx.Rngs(0))  # the same weights
   seq, cands = jax.random.normal(jax.random.key(0), (2, 5, 32)), jnp.ones((3, 2, 32))
   assert rel_err(kernel(seq, cands, index), xla(seq, cands, index)) < 1e-5
