@@ -2,7 +2,7 @@
 
     python -m benchmarks.target_attention --out benchmarks/results/target_attention_h200.json
 
-Published shape (DESIGN.md 2.2): B=2048, U=32 (64 candidates each), H=2, D=128,
+Published IKBO benchmark shape: B=2048, U=32 (64 candidates each), H=2, D=128,
 n_seed=64, bf16, S from 512 to 16384. Baselines in the same run: cuDNN on K/V
 broadcast outside the timing ("prebroadcast"), broadcast + cuDNN, and cuDNN on
 the zero-copy per-user packed layout (sorted, uniform counts: all of a user's

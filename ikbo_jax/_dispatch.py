@@ -48,7 +48,8 @@ class Backend:
     """Why this backend cannot run these inputs here, as `(exception type, message)`, or None."""
     prefix = f"implementation={self.name!r}"
     if jnp.dtype(dtype) not in self.dtypes:
-      names = " and ".join(str(d) for d in self.dtypes).replace(" and ", ", ", len(self.dtypes) - 2)
+      *others, last = (str(d) for d in self.dtypes)
+      names = f"{', '.join(others)} and {last}" if others else last
       return TypeError, f"{prefix} supports {names} inputs, got {jnp.dtype(dtype)}"
     if (reason := self.limits(**facts)) is not None:
       return ValueError, f"{prefix} {reason}"

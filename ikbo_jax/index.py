@@ -175,17 +175,15 @@ def as_int32(x, name: str):
   saturated before it becomes a JAX array, since without 64-bit mode JAX
   itself would wrap it on the way in.
   """
-  if not isinstance(x, jax.Array):
-    x = np.asarray(x)
-    if x.size and not np.issubdtype(x.dtype, np.integer):
-      raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
-    x = np.clip(x, *_int32_range(x.dtype)).astype(np.int32) if x.size else x.astype(np.int32)
-    return jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.integer):
+  xp = jnp if isinstance(x, jax.Array) else np
+  x = xp.asarray(x)
+  if x.size == 0:  # an empty list comes in as float64
+    return jnp.zeros(x.shape, jnp.int32)
+  if not xp.issubdtype(x.dtype, xp.integer):
     raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
-  if x.dtype == jnp.int32:
-    return x
-  return jnp.clip(x, *_int32_range(x.dtype)).astype(jnp.int32)
+  if x.dtype != np.int32:
+    x = xp.clip(x, *_int32_range(x.dtype)).astype(np.int32)
+  return jnp.asarray(x)
 
 
 def _int32_range(dtype) -> tuple[int, int]:

@@ -176,7 +176,7 @@ def test_named_kernel_without_gpu_raises_instead_of_falling_back():
       linear_compression(*args, index, implementation=implementation)
 
 
-# The published shape (DESIGN.md 2.1): B=1024, U=15, M=433, N=256, K_user=1178, K_cand=866.
+# The published IKBO benchmark shape: B=1024, U=15, M=433, N=256, K_user=1178, K_cand=866.
 BENCH_SHAPE = dict(m=433, k_user=1178, k_cand=866, n=256, num_users=15, num_candidates=1024)
 
 

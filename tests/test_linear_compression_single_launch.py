@@ -14,7 +14,7 @@ from conftest import assert_within_reference_error, random_index, random_lce_arg
 from ikbo_jax import linear_compression
 from ikbo_jax.ops import linear_compression_mosaic as mosaic
 
-# M, K_user, K_cand, N of the published shape (DESIGN.md 2.1).
+# M, K_user, K_cand, N of the published IKBO benchmark shape.
 PUBLISHED = (433, 1178, 866, 256)
 
 

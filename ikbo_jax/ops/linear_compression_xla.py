@@ -17,10 +17,20 @@ _F32 = jnp.float32
 _ONE_HOT_MAX_USERS = 256
 
 
-def materialized(w_user, w_cand, e_user, e_cand, cand_to_user, *, precision=None):
-  """The baseline: copy user rows to the candidate batch, concat along K, one batched GEMM."""
+def take_rows(x, ids):
+  """`x[ids]`: how the baselines copy user rows to the candidate batch."""
+  return x[ids]
+
+
+def materialized(w_user, w_cand, e_user, e_cand, cand_to_user, *, precision=None,
+                 gather=take_rows):
+  """The baseline: copy user rows to the candidate batch, concat along K, one batched GEMM.
+
+  `gather(x, ids)` makes the copy (the test references swap in one whose
+  backward sums in float32).
+  """
   w = jnp.concatenate([w_user, w_cand], axis=1)
-  e = jnp.concatenate([e_user[cand_to_user], e_cand], axis=1)
+  e = jnp.concatenate([gather(e_user, cand_to_user), e_cand], axis=1)
   out = jnp.einsum("mk,bkn->bmn", w, e, precision=precision, preferred_element_type=_F32)
   return out.astype(e_cand.dtype)
 

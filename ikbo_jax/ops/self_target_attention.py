@@ -22,6 +22,7 @@ from ikbo_jax.kernels.triton import target_attention_backward as triton_backward
 from ikbo_jax.ops import self_target_attention_xla as xla
 from ikbo_jax.ops import target_attention as target
 from ikbo_jax.ops import target_attention_mosaic as mosaic
+from ikbo_jax.ops.target_attention_xla import zero_past_length
 
 Implementation = Literal["xla", "mosaic_gpu"]
 # In order of preference for `implementation=None`.
@@ -34,35 +35,41 @@ IMPLEMENTATIONS = _dispatch.names(BACKENDS)
 _F32 = jnp.float32
 
 
-def _self_attention_cudnn(q_user, k, v, kv_len, *, scale: float, causal: bool):
+def _self_attention_cudnn(q_user, k, v, kv_len, *, scale: float, causal: bool, masked: bool):
   """`xla.self_attention` on cuDNN's fused attention (GPU only; bfloat16/float16).
 
   cuDNN's padding mask takes the same lengths for queries and keys. A user with
   `kv_len == 0` is given one key (its row is zeroed below, so its gradient is
-  zero) because a fully masked softmax would be 0/0 inside cuDNN.
+  zero) because a fully masked softmax would be 0/0 inside cuDNN. That mask
+  applies to the logits only, so with lengths given (`masked`) the padding
+  rows are zeroed first: its backward would multiply them by zeros, and
+  `0 * NaN` is NaN.
   """
+  if masked:
+    q_user, k, v = (zero_past_length(x, kv_len) for x in (q_user, k, v))
   out = jax.nn.dot_product_attention(
       q_user, k, v, scale=scale, is_causal=causal, query_seq_lengths=jnp.maximum(kv_len, 1),
       key_value_seq_lengths=jnp.maximum(kv_len, 1), implementation="cudnn")
-  return jnp.where(xla.query_valid(kv_len, k.shape[1]), out, 0).astype(q_user.dtype)
+  return zero_past_length(out, kv_len).astype(q_user.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fused(scale, causal, interpret, q_user, q_cand, k, v, index, kv_len):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _fused(scale, causal, interpret, masked, q_user, q_cand, k, v, index, kv_len):
+  """`masked`: the caller gave lengths, so rows past them may be padding (any value)."""
   out_user, out_cand, _ = mosaic.self_target_forward(
       q_user, q_cand, k, v, index, kv_len, scale=scale, causal=causal, save_lse=False,
-      interpret=interpret)
+      mask_past_length=masked, interpret=interpret)
   return out_user, out_cand
 
 
-def _fused_fwd(scale, causal, interpret, q_user, q_cand, k, v, index, kv_len):
+def _fused_fwd(scale, causal, interpret, masked, q_user, q_cand, k, v, index, kv_len):
   out_user, out_cand, lse = mosaic.self_target_forward(
       q_user, q_cand, k, v, index, kv_len, scale=scale, causal=causal, save_lse=True,
-      interpret=interpret)
+      mask_past_length=masked, interpret=interpret)
   return (out_user, out_cand), (q_user, q_cand, k, v, out_cand, lse, index, kv_len)
 
 
-def _fused_bwd(scale, causal, interpret, residuals, cotangents):
+def _fused_bwd(scale, causal, interpret, masked, residuals, cotangents):
   """Candidate side on the Triton backward kernels, user side on cuDNN (XLA off the GPU)."""
   q_user, q_cand, k, v, out_cand, lse, index, kv_len = residuals
   d_out_user, d_out_cand = cotangents
@@ -70,7 +77,8 @@ def _fused_bwd(scale, causal, interpret, residuals, cotangents):
       q_cand, k, v, out_cand, lse, d_out_cand, None, index, kv_len, scale=scale,
       interpret=interpret)
   on_gpu = not interpret and jax.default_backend() == "gpu"
-  self_attention = _self_attention_cudnn if on_gpu else xla.self_attention
+  self_attention = (functools.partial(_self_attention_cudnn, masked=masked) if on_gpu
+                    else xla.self_attention)
   _, self_vjp = jax.vjp(
       lambda q_, k_, v_: self_attention(q_, k_, v_, kv_len, scale=scale, causal=causal),
       q_user, k, v)
@@ -139,17 +147,11 @@ def self_target_attention(q_user, q_cand, k, v, index: CandidateIndex, *, kv_len
   interpret = checks.check_flag("interpret", interpret)
   implementation = _dispatch.resolve(BACKENDS, implementation, dtype, interpret=interpret,
                                      head_dim=k.shape[-1]).name
-  lengths_given = kv_len is not None
+  masked = kv_len is not None
   kv_len = target.prepare_kv_len(kv_len, index, k.shape[1], checks.check_flag("checked", checked))
   scale = checks.resolve_scale(scale, k.shape[-1])
   causal = checks.check_flag("causal", causal)
   if implementation == "mosaic_gpu":
-    if lengths_given:
-      # The backward's cuDNN attention applies its padding mask to the logits
-      # only, so it would multiply padding by zero probabilities too.
-      valid = xla.query_valid(kv_len, k.shape[1])
-      q_user, k = jnp.where(valid, q_user, 0), jnp.where(valid, k, 0)
-      v = mosaic.zero_values_past_length(v, kv_len)
-    return _fused(scale, causal, interpret, q_user, q_cand, k, v, index, kv_len)
+    return _fused(scale, causal, interpret, masked, q_user, q_cand, k, v, index, kv_len)
   return xla.self_target(q_user, q_cand, k, v, index.clamped_cand_to_user, kv_len, scale=scale,
                          causal=causal)

@@ -11,17 +11,12 @@ import jax.numpy as jnp
 from ikbo_jax.ops import target_attention_xla
 
 
-def query_valid(kv_len, seq_len: int):
-  """`bool[U, S, 1, 1]`: which user query rows are real (position `< kv_len`)."""
-  return (jnp.arange(seq_len)[None, :] < kv_len[:, None])[:, :, None, None]
-
-
 def self_attention(q_user, k, v, kv_len, *, scale: float, causal: bool, precision=None):
   """Each user's queries over its own keys `< kv_len`; padded query rows are zeros (never read)."""
-  q_user = jnp.where(query_valid(kv_len, k.shape[1]), q_user, 0)
-  out, _ = target_attention_xla.attention(q_user, k, v, kv_len, scale=scale, causal=causal,
+  out, _ = target_attention_xla.attention(target_attention_xla.zero_past_length(q_user, kv_len),
+                                          k, v, kv_len, scale=scale, causal=causal,
                                           precision=precision)
-  return jnp.where(query_valid(kv_len, k.shape[1]), out, 0).astype(q_user.dtype)
+  return target_attention_xla.zero_past_length(out, kv_len).astype(q_user.dtype)
 
 
 def self_target(q_user, q_cand, k, v, cand_to_user, kv_len, *, scale: float, causal: bool,

@@ -52,27 +52,34 @@ BACKENDS = (
 IMPLEMENTATIONS = _dispatch.names(BACKENDS)
 
 
-def _kernel_forward(implementation, scale, interpret, save_lse, q, k, v, index, kv_len):
+def _kernel_forward(implementation, scale, interpret, masked, save_lse, q, k, v, index, kv_len):
   if implementation == "mosaic_gpu":
     return mosaic.forward(q, k, v, index, kv_len, scale=scale, save_lse=save_lse,
-                          interpret=interpret)
+                          mask_past_length=masked, interpret=interpret)
   return triton_kernel.target_attention_forward(
       q, k, v, index.clamped_cand_to_user, kv_len, scale=scale, interpret=interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _kernel_attention(implementation, scale, interpret, return_lse, q, k, v, index, kv_len):
-  out, lse = _kernel_forward(implementation, scale, interpret, return_lse, q, k, v, index, kv_len)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _kernel_attention(implementation, scale, interpret, masked, return_lse, q, k, v, index,
+                      kv_len):
+  """`masked`: the caller gave lengths, so rows past them may be padding (any value)."""
+  out, lse = _kernel_forward(implementation, scale, interpret, masked, return_lse, q, k, v, index,
+                             kv_len)
   return (out, lse) if return_lse else out
 
 
-def _kernel_attention_fwd(implementation, scale, interpret, return_lse, q, k, v, index, kv_len):
-  out, lse = _kernel_forward(implementation, scale, interpret, True, q, k, v, index, kv_len)
+def _kernel_attention_fwd(implementation, scale, interpret, masked, return_lse, q, k, v, index,
+                          kv_len):
+  out, lse = _kernel_forward(implementation, scale, interpret, masked, True, q, k, v, index,
+                             kv_len)
   return ((out, lse) if return_lse else out), (q, k, v, out, lse, index, kv_len)
 
 
-def _kernel_attention_bwd(implementation, scale, interpret, return_lse, residuals, cotangents):
-  del implementation
+def _kernel_attention_bwd(implementation, scale, interpret, masked, return_lse, residuals,
+                          cotangents):
+  # The Triton backward loads only rows before kv_len: padding is never read.
+  del implementation, masked
   q, k, v, out, lse, index, kv_len = residuals
   d_out, d_lse = cotangents if return_lse else (cotangents, None)
   grads = triton_backward.target_attention_backward(
@@ -137,13 +144,12 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
                               head_dim=q.shape[-1])
   implementation = backend.name
   return_lse = checks.check_flag("return_lse", return_lse)
-  lengths_given = kv_len is not None
+  masked = kv_len is not None
   kv_len = prepare_kv_len(kv_len, index, k.shape[1], checks.check_flag("checked", checked))
-  if lengths_given and implementation == "mosaic_gpu":
-    v = mosaic.zero_values_past_length(v, kv_len)
   scale = checks.resolve_scale(scale, q.shape[-1])
   if backend.is_kernel:
-    return _kernel_attention(implementation, scale, interpret, return_lse, q, k, v, index, kv_len)
+    return _kernel_attention(implementation, scale, interpret, masked, return_lse, q, k, v, index,
+                             kv_len)
   impl = xla.materialized if implementation == "xla_materialized" else xla.chunked
   out, lse = impl(q, k, v, index.clamped_cand_to_user, kv_len, scale=scale)
   return (out, lse) if return_lse else out

@@ -15,28 +15,24 @@ from ikbo_jax import query_tiles
 from ikbo_jax._padding import pad_to, round_up
 from ikbo_jax.index import CandidateIndex
 from ikbo_jax.kernels.mosaic_gpu import target_attention as kernel
+from ikbo_jax.ops import target_attention_xla
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 
-def zero_values_past_length(v, kv_len):
-  """`v` with the rows at or past each user's length replaced by zeros.
+def _run(q, k, v, index: CandidateIndex, kv_len, *, scale: float, save_lse: bool,
+         q_user, causal: bool, mask_past_length: bool, config: kernel.Config, interpret: bool):
+  """Pads, builds the query tiles, runs the kernel and slices the padding off again.
 
   The kernel reads whole K/V blocks, so a user's last block may include rows
-  past `kv_len`. Their logits are masked to `-inf`, which keeps keys out, but
-  `P V` still multiplies the zero probabilities by those value rows, and
-  `0 * NaN` or `0 * Inf` is NaN. Zeroing them (one pass over V at batch U) keeps
-  padding unread, as the other implementations do. The ops only call this
-  when the caller passes lengths: without them every row is valid.
+  past `kv_len`: their logits are masked, but `P V` multiplies the zero
+  probabilities by those values, and `0 * NaN` is NaN. `mask_past_length`
+  zeroes them first (one pass over V at batch U, fused with the padding when
+  there is any); callers whose lengths are all `S` skip it.
   """
-  in_history = jnp.arange(v.shape[1])[None, :] < kv_len[:, None]
-  return jnp.where(in_history[:, :, None, None], v, 0)
-
-
-def _run(q, k, v, index: CandidateIndex, kv_len, *, scale: float, save_lse: bool,
-         q_user, causal: bool, config: kernel.Config, interpret: bool):
-  """Pads, builds the query tiles, runs the kernel and slices the padding off again."""
   num_queries, seq_len = q.shape[1], k.shape[1]
+  if mask_past_length:
+    v = target_attention_xla.zero_past_length(v, kv_len)
   packed_queries = query_tiles.packed_num_queries(num_queries, kernel.BLOCK_ROWS)
   q = pad_to(q, 1, packed_queries)
   seq_multiple = config.block_kv
@@ -61,17 +57,20 @@ def _run(q, k, v, index: CandidateIndex, kv_len, *, scale: float, save_lse: bool
 
 
 def forward(q, k, v, index: CandidateIndex, kv_len, *, scale: float, save_lse: bool,
-            config: kernel.Config = kernel.Config(), interpret: bool = False):
+            mask_past_length: bool = False, config: kernel.Config = kernel.Config(),
+            interpret: bool = False):
   """`(out [B, T, H, D], lse [B, T, H] float32 or None)`; `kv_len` already clamped to `[0, S]`."""
-  out, lse, _ = _run(q, k, v, index, kv_len, scale=scale, save_lse=save_lse,
-                     q_user=None, causal=False, config=config, interpret=interpret)
+  out, lse, _ = _run(q, k, v, index, kv_len, scale=scale, save_lse=save_lse, q_user=None,
+                     causal=False, mask_past_length=mask_past_length, config=config,
+                     interpret=interpret)
   return out, lse
 
 
 def self_target_forward(q_user, q, k, v, index: CandidateIndex, kv_len, *, scale: float,
-                        causal: bool, save_lse: bool, config: kernel.Config = kernel.Config(),
-                        interpret: bool = False):
+                        causal: bool, save_lse: bool, mask_past_length: bool = False,
+                        config: kernel.Config = kernel.Config(), interpret: bool = False):
   """`(out_user [U, S, H, D], out [B, T, H, D], lse [B, T, H] or None)` in one launch."""
   out, lse, out_user = _run(q, k, v, index, kv_len, scale=scale, save_lse=save_lse,
-                            q_user=q_user, causal=causal, config=config, interpret=interpret)
+                            q_user=q_user, causal=causal, mask_past_length=mask_past_length,
+                            config=config, interpret=interpret)
   return out_user, out, lse

@@ -20,7 +20,23 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ikbo_jax.ops.linear_compression_xla import take_rows
+
 _F32 = jnp.float32
+
+
+def in_history(kv_len, seq_len: int):
+  """`bool[U, S, 1, 1]`: which positions of each user's sequence are real (`< kv_len`)."""
+  return (jnp.arange(seq_len)[None, :] < kv_len[:, None])[:, :, None, None]
+
+
+def zero_past_length(x, kv_len):
+  """`x [U, S, H, D]` with the rows at or past each user's length replaced by zeros.
+
+  What keeps padding unread: `0 * NaN` is NaN, so masking logits alone leaves
+  padded values (and, in a backward, padded keys and queries) in the products.
+  """
+  return jnp.where(in_history(kv_len, x.shape[1]), x, 0)
 
 
 def attention(q, k, v, kv_len, *, scale: float, causal: bool = False, precision=None):
@@ -28,13 +44,12 @@ def attention(q, k, v, kv_len, *, scale: float, causal: bool = False, precision=
 
   `causal` also masks keys after the query's position (query `t` sees keys `<= t`).
   """
-  key = jnp.arange(k.shape[1])
-  in_history = (key[None, :] < kv_len[:, None])[:, :, None, None]
-  k, v = jnp.where(in_history, k, 0), jnp.where(in_history, v, 0)
+  k, v = zero_past_length(k, kv_len), zero_past_length(v, kv_len)
   logits = jnp.einsum("nthd,nshd->nhts", q, k, precision=precision,
                       preferred_element_type=_F32) * scale
-  valid = jnp.transpose(in_history, (0, 2, 3, 1))
+  valid = jnp.transpose(in_history(kv_len, k.shape[1]), (0, 2, 3, 1))
   if causal:
+    key = jnp.arange(k.shape[1])
     valid &= key[None, :] <= jnp.arange(q.shape[1])[:, None]
   logits = jnp.where(valid, logits, -jnp.inf)
   row_max = jnp.max(logits, axis=-1, keepdims=True)
@@ -51,10 +66,14 @@ def attention(q, k, v, kv_len, *, scale: float, causal: bool = False, precision=
   return out.astype(q.dtype), jnp.transpose(lse, (0, 2, 1))
 
 
-def materialized(q, k, v, cand_to_user, kv_len, *, scale: float, precision=None):
-  """The baseline: copy each user's K/V (and length) to its candidates, then attention."""
-  return attention(q, k[cand_to_user], v[cand_to_user], kv_len[cand_to_user], scale=scale,
-                   precision=precision)
+def materialized(q, k, v, cand_to_user, kv_len, *, scale: float, precision=None,
+                 gather=take_rows):
+  """The baseline: copy each user's K/V (and length) to its candidates, then attention.
+
+  `gather(x, ids)` makes the copy (as in `linear_compression_xla.materialized`).
+  """
+  return attention(q, gather(k, cand_to_user), gather(v, cand_to_user), kv_len[cand_to_user],
+                   scale=scale, precision=precision)
 
 
 def chunked(q, k, v, cand_to_user, kv_len, *, scale: float, chunk: int = 32, precision=None):

@@ -20,8 +20,7 @@ _F32 = jnp.float32
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def gather_rows(x, ids, num_rows: int):
-  """`x[ids]`, whose cotangent is summed per row in float32 before the final rounding."""
+def _gather_rows(x, ids, num_rows: int):
   del num_rows
   return x[ids]
 
@@ -35,22 +34,24 @@ def _gather_bwd(num_rows, ids, g):
   return summed.astype(g.dtype), None
 
 
-gather_rows.defvjp(_gather_fwd, _gather_bwd)
+_gather_rows.defvjp(_gather_fwd, _gather_bwd)
+
+
+def gather_rows(x, ids):
+  """`x[ids]`, whose cotangent is summed per row in float32 before the final rounding."""
+  return _gather_rows(x, ids, x.shape[0])
 
 
 def linear_compression(w_user, w_cand, e_user, e_cand, cand_to_user, *, precision=None):
   """`out[b] = concat(W_user, W_cand) @ concat(E_user[u(b)], E_cand[b])`, one rounding."""
-  e_user_rows = gather_rows(e_user, cand_to_user, e_user.shape[0])
-  return linear_compression_xla.materialized(w_user, w_cand, e_user_rows, e_cand,
-                                             jnp.arange(e_cand.shape[0]), precision=precision)
+  return linear_compression_xla.materialized(w_user, w_cand, e_user, e_cand, cand_to_user,
+                                             precision=precision, gather=gather_rows)
 
 
 def target_attention(q, k, v, cand_to_user, kv_len, *, scale: float, precision=None):
   """`(out, lse)` of each candidate's queries over its user's copied K/V."""
-  num_users = k.shape[0]
-  return target_attention_xla.attention(
-      q, gather_rows(k, cand_to_user, num_users), gather_rows(v, cand_to_user, num_users),
-      kv_len[cand_to_user], scale=scale, precision=precision)
+  return target_attention_xla.materialized(q, k, v, cand_to_user, kv_len, scale=scale,
+                                           precision=precision, gather=gather_rows)
 
 
 def self_target_attention(q_user, q_cand, k, v, cand_to_user, kv_len, *, scale: float,

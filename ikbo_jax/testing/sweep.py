@@ -278,17 +278,14 @@ def _error_scales(names, f32) -> dict:
   """Attention's dq and dk cancel to zero for one-key histories; measure them on dv's scale."""
   if "dv" not in names:
     return {}
-  dv_norm = float(np.linalg.norm(np.asarray(_leaves(f32)[names.index("dv")], np.float64)))
+  dv_norm = float(np.linalg.norm(np.asarray(f32[names.index("dv")], np.float64)))
   return {name: dv_norm for name in names if name.startswith(("dq", "dk"))}
 
 
-def _forward_and_grads(fn, args, cotangents):
+def _forward_and_grads(fn, args, cotangents) -> list:
+  """The outputs, then the gradient of each argument, as one flat list."""
   out, vjp = jax.vjp(fn, *args)
-  return out, vjp(cotangents)
-
-
-def _leaves(x) -> list:
-  return jax.tree.leaves(x)
+  return jax.tree.leaves((out, vjp(cotangents)))
 
 
 def run_case(case, implementations: tuple[str, ...] | None = None) -> list[Result]:
@@ -314,10 +311,10 @@ def run_case(case, implementations: tuple[str, ...] | None = None) -> list[Resul
     again = step(args, cotangents)
     comparisons = tuple(
         error_rule.compare(name, x, s, r, case.dtype, scales.get(name, 0.0))
-        for name, x, s, r in zip(names, _leaves(got), _leaves(same), _leaves(f32)))
+        for name, x, s, r in zip(names, got, same, f32))
     checked = _repeatable_outputs(case, impl, len(names))
     repeatable = all(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
-                     for a, b in list(zip(_leaves(got), _leaves(again)))[:checked])
+                     for a, b in zip(got[:checked], again[:checked]))
     results.append(Result(case, impl, comparisons, repeatable, _reported_only(case, impl)))
   return results
 

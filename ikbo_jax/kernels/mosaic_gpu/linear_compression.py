@@ -262,12 +262,6 @@ def _padded_out_type(num_cands: int, num_rows: int, n: int, dtype, config: Confi
       (num_cands, max(num_rows, config.cta_tile_m), max(n, config.cta_tile_n)), dtype)
 
 
-def _unpad(out, num_rows: int, n: int):
-  if out.shape[1:] == (num_rows, n):
-    return out
-  return out[:, :num_rows, :n]
-
-
 def batched_gemm(a, e, user_res=None, cand_to_user=None, *, num_rows: int,
                  config: Config = Config(), interpret: bool = False):
   """`out[b] = a @ e[b] + user_res[cand_to_user[b]]` (or without the user term), rounded once.
@@ -288,10 +282,10 @@ def batched_gemm(a, e, user_res=None, cand_to_user=None, *, num_rows: int,
     body = lambda cand_to_user, a, e, out: _body(cand_to_user, a, e, None, out, None,
                                                  config=config)
     cand_to_user = jnp.zeros((1,), jnp.int32)  # unused; keeps one kernel signature
-    return _unpad(_launch(body, out_type, interpret)(cand_to_user, a, e), num_rows, n)
+    return _launch(body, out_type, interpret)(cand_to_user, a, e)[:, :num_rows, :n]
   body = lambda cand_to_user, a, e, user_res, out: _body(cand_to_user, a, e, user_res, out, None,
                                                          config=config)
-  return _unpad(_launch(body, out_type, interpret)(cand_to_user, a, e, user_res), num_rows, n)
+  return _launch(body, out_type, interpret)(cand_to_user, a, e, user_res)[:, :num_rows, :n]
 
 
 def single_launch_forward(a_user, a_cand, e_user, e_cand, cand_to_user, *, num_rows: int,
@@ -324,4 +318,4 @@ def single_launch_forward(a_user, a_cand, e_user, e_cand, cand_to_user, *, num_r
                            jnp.float32))
   out, _ = _launch(body, out_type, interpret=False)(
       cand_to_user, a_cand, e_cand, a_user, e_user)
-  return _unpad(out, num_rows, n)
+  return out[:, :num_rows, :n]
