@@ -238,6 +238,17 @@ def test_gpu_self_target_padding_is_never_read():
   test_interpret_self_target_padding_is_never_read("mosaic_gpu", False)
 
 
+# Defect (found by the GPU sweep): the Mosaic self + target backward raised inside
+# cuDNN ("Unsupported sequence length Q 127, KV 127") for an odd sequence length.
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_len, causal", [(127, True), (3717, True), (201, False)])
+def test_gpu_self_target_backward_with_an_odd_sequence_length(seq_len, causal):
+  case = sweep.AttentionCase(seed=seq_len, mapping=sweep.Mapping(3, 8, 1, False), n_seed=16,
+                             seq_len=seq_len, heads=2, head_dim=64,
+                             kv_len=(seq_len, 0, seq_len // 2), dtype="float16", causal=causal)
+  _assert_sweep_case_passes(case, ("mosaic_gpu",))
+
+
 # Defect: nn.LinearCompression initialized at 2.17x nnx.Linear's scale at the published shape.
 def test_linear_compression_init_matches_nnx_linear_over_the_concatenated_stack():
   k_user, k_cand, m = 1178, 866, 433

@@ -43,14 +43,19 @@ def _self_attention_cudnn(q_user, k, v, kv_len, *, scale: float, causal: bool, m
   zero) because a fully masked softmax would be 0/0 inside cuDNN. That mask
   applies to the logits only, so with lengths given (`masked`) the padding
   rows are zeroed first: its backward would multiply them by zeros, and
-  `0 * NaN` is NaN.
+  `0 * NaN` is NaN. cuDNN's masked training path also wants an even sequence
+  length: an odd `S` gets one padding position, past every length.
   """
   if masked:
     q_user, k, v = (zero_past_length(x, kv_len) for x in (q_user, k, v))
+  seq_len = q_user.shape[1]
+  if seq_len % 2:
+    pad = ((0, 0), (0, 1), (0, 0), (0, 0))
+    q_user, k, v = (jnp.pad(x, pad) for x in (q_user, k, v))
   out = jax.nn.dot_product_attention(
       q_user, k, v, scale=scale, is_causal=causal, query_seq_lengths=jnp.maximum(kv_len, 1),
       key_value_seq_lengths=jnp.maximum(kv_len, 1), implementation="cudnn")
-  return zero_past_length(out, kv_len).astype(q_user.dtype)
+  return zero_past_length(out[:, :seq_len], kv_len).astype(q_user.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
