@@ -1,0 +1,55 @@
+"""Packing requests into a `RankingBatch` of static shape: one user slot per request."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ikbo_jax.data.request import Request
+from ikbo_jax.models.batch import RankingBatch
+from ikbo_jax.models.config import RankerConfig
+
+
+def pack_requests(requests: Sequence[Request], config: RankerConfig, *, num_users: int,
+                  num_candidates: int) -> RankingBatch:
+  """Lays `requests` out user by user in `num_users` user and `num_candidates` candidate slots.
+
+  Request `r` takes user slot `r` and the candidate slots after those of the
+  requests before it, in its own candidate order; the rest is padding (see
+  `RankingBatch`). The requests must be validated (`Request.validated`) and fit.
+
+  Returns:
+    The batch, as NumPy arrays (the jitted model moves them to the device).
+  """
+  starts = candidate_offsets(requests)
+  if len(requests) > num_users:
+    raise ValueError(f"{len(requests)} requests do not fit num_users={num_users} user slots")
+  if starts[-1] > num_candidates:
+    raise ValueError(f"{int(starts[-1])} candidates do not fit num_candidates="
+                     f"{num_candidates} slots")
+  c = config
+  user_dense = np.zeros((num_users, c.user_dense), np.float32)
+  history = np.zeros((num_users, c.max_history), np.int32)
+  history_len = np.zeros((num_users,), np.int32)
+  cand_to_user = np.full((num_candidates,), num_users, np.int32)  # padding: out of range
+  cand_items = np.zeros((num_candidates,), np.int32)
+  cand_dense = np.zeros((num_candidates, c.cand_dense), np.float32)
+  labels = np.zeros((num_candidates,), np.float32)
+  for u, (request, start, stop) in enumerate(zip(requests, starts[:-1], starts[1:])):
+    user_dense[u] = request.user_dense
+    history[u, :len(request.history)] = request.history
+    history_len[u] = len(request.history)
+    cand_to_user[start:stop] = u
+    cand_items[start:stop] = request.cand_items
+    cand_dense[start:stop] = request.cand_dense
+    if request.labels is not None:
+      labels[start:stop] = request.labels
+  return RankingBatch(user_dense=user_dense, history=history, history_len=history_len,
+                      cand_to_user=cand_to_user, cand_items=cand_items, cand_dense=cand_dense,
+                      labels=labels)
+
+
+def candidate_offsets(requests: Sequence[Request]) -> np.ndarray:
+  """`int[R + 1]`: request `r`'s scores are slots `offsets[r]:offsets[r + 1]` of its batch."""
+  return np.concatenate([[0], np.cumsum([r.num_candidates for r in requests])]).astype(np.int64)

@@ -1,0 +1,218 @@
+"""`Trainer`: steps, evaluation and checkpoints of a `Ranker` on a stream of requests.
+
+A request source is any `source(i) -> Request` (a `ClickGenerator`'s
+`request`, or a list of requests read from files). Each step takes requests
+from a cursor while they fit the step's static shape (`num_users` user and
+`num_candidates` candidate slots), so the compiled step never changes shape
+and no candidate is dropped. A checkpoint holds the model, the optimizer and
+the cursor: a run restored from step `k` takes the same step `k + 1` as the
+run that saved it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from sklearn.metrics import roc_auc_score
+
+from ikbo_jax.data import Request, RequestError, pack_requests
+from ikbo_jax.models import Ranker, RankerConfig, RankingBatch
+
+Build = Literal["ikbo", "standard"]
+Source = Callable[[int], Request]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Attributes:
+    num_users: user slots per step (requests at most).
+    num_candidates: candidate slots per step.
+    learning_rate: peak learning rate (AdamW, cosine decay over `steps`).
+    steps: the schedule's length.
+    weight_decay: AdamW's decay.
+    build: which forward pass trains: `"ikbo"` or `"standard"` (same parameters).
+  """
+
+  num_users: int = 16
+  num_candidates: int = 256
+  learning_rate: float = 3e-3
+  steps: int = 300
+  weight_decay: float = 1e-4
+  build: Build = "ikbo"
+
+  def __post_init__(self):
+    if self.build not in ("ikbo", "standard"):
+      raise ValueError(f"build must be 'ikbo' or 'standard', got {self.build!r}")
+    for name in ("num_users", "num_candidates", "steps"):
+      if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
+        raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+
+
+def scores(model: Ranker, batch: RankingBatch, build: Build) -> jax.Array:
+  return model(batch) if build == "ikbo" else model.standard(batch)
+
+
+def masked_loss(logits: jax.Array, batch: RankingBatch) -> jax.Array:
+  """Mean binary cross-entropy over the real candidates of `batch`."""
+  mask = batch.candidate_mask()
+  losses = optax.sigmoid_binary_cross_entropy(logits, batch.labels)
+  return jnp.sum(jnp.where(mask, losses, 0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+@nnx.jit(static_argnames="build")
+def _train_step(model: Ranker, optimizer: nnx.Optimizer, batch: RankingBatch, build: Build):
+  loss, grads = nnx.value_and_grad(lambda m: masked_loss(scores(m, batch, build), batch))(model)
+  optimizer.update(model, grads)
+  return loss
+
+
+@nnx.jit(static_argnames="build")
+def _eval_step(model: Ranker, batch: RankingBatch, build: Build):
+  return jax.nn.sigmoid(scores(model, batch, build))
+
+
+class Trainer:
+  """Trains `Ranker(model_config)` on `source` with `train_config`.
+
+  Example:
+
+  >>> from ikbo_jax.data.synthetic import ClickGenerator
+  >>> from ikbo_jax.models import RankerConfig
+  >>> from ikbo_jax.training import TrainConfig, Trainer
+  >>> config = RankerConfig()
+  >>> trainer = Trainer(config, TrainConfig(steps=2), ClickGenerator(config, seed=0).request)
+  >>> losses = [trainer.step() for _ in range(2)]
+  >>> trainer.step_count, trainer.cursor > 0
+  (2, True)
+  """
+
+  def __init__(self, model_config: RankerConfig, train_config: TrainConfig, source: Source, *,
+               seed: int = 0):
+    self.model_config, self.train_config, self.source = model_config, train_config, source
+    self.model = Ranker(model_config, rngs=nnx.Rngs(seed))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, train_config.learning_rate, min(50, train_config.steps // 10 + 1),
+        train_config.steps)
+    self.optimizer = nnx.Optimizer(
+        self.model, optax.adamw(schedule, weight_decay=train_config.weight_decay),
+        wrt=nnx.Param)
+    self.cursor = 0  # the next request of `source`
+    self.step_count = 0
+
+  def next_batch(self) -> tuple[RankingBatch, int]:
+    """The next step's batch from the cursor on, and how many candidates it holds."""
+    t = self.train_config
+    taken, total = [], 0
+    while len(taken) < t.num_users:
+      try:
+        request = self.source(self.cursor + len(taken)).validated(self.model_config)
+      except RequestError as e:
+        raise RequestError(f"request {self.cursor + len(taken)}: {e}") from None
+      if request.num_candidates > t.num_candidates:
+        raise RequestError(f"request {self.cursor + len(taken)} has {request.num_candidates} "
+                           f"candidates; a step holds num_candidates={t.num_candidates}")
+      if total + request.num_candidates > t.num_candidates:
+        break
+      taken.append(request)
+      total += request.num_candidates
+    self.cursor += len(taken)
+    batch = pack_requests(taken, self.model_config, num_users=t.num_users,
+                          num_candidates=t.num_candidates)
+    return batch, total
+
+  def step(self) -> float:
+    """One optimizer step; returns its loss."""
+    batch, _ = self.next_batch()
+    loss = _train_step(self.model, self.optimizer, batch, self.train_config.build)
+    self.step_count += 1
+    return float(loss)
+
+  def fit(self, steps: int, *, progress: bool = True, log_every: int = 10) -> list[float]:
+    """`steps` steps under a progress bar (loss, candidates/s); returns the losses."""
+    from tqdm.auto import tqdm
+
+    losses = []
+    bar = tqdm(range(steps), desc=f"train ({self.train_config.build})", disable=not progress,
+               unit="step")
+    start, seen = time.perf_counter(), 0
+    for _ in bar:
+      batch, count = self.next_batch()
+      losses.append(_train_step(self.model, self.optimizer, batch, self.train_config.build))
+      self.step_count += 1
+      seen += count
+      if len(losses) % log_every == 0 or len(losses) == steps:
+        losses[-1] = float(losses[-1])  # waits for the step: the rate is honest
+        bar.set_postfix(loss=f"{losses[-1]:.4f}",
+                        cands_per_s=f"{seen / (time.perf_counter() - start):.0f}")
+    return [float(x) for x in losses]
+
+  def evaluate(self, requests: list[Request]) -> dict:
+    """AUC and mean loss over `requests` (each scored once; labels required)."""
+    t, preds, labels = self.train_config, [], []
+    requests = [r.validated(self.model_config) for r in requests]
+    if any(r.labels is None for r in requests):
+      raise ValueError("evaluation requests need labels")
+    for start in range(0, len(requests), t.num_users):
+      chunk = requests[start:start + t.num_users]
+      # One request per slot may still overflow the candidate slots: pack what fits.
+      while chunk:
+        fit = _fitting_prefix(chunk, t.num_candidates)
+        batch = pack_requests(chunk[:fit], self.model_config, num_users=t.num_users,
+                              num_candidates=t.num_candidates)
+        n = int(np.sum(batch.candidate_mask()))
+        preds.append(np.asarray(_eval_step(self.model, batch, t.build))[:n])
+        labels.append(batch.labels[:n])
+        chunk = chunk[fit:]
+    preds, labels = np.concatenate(preds), np.concatenate(labels)
+    eps = 1e-7
+    loss = -np.mean(labels * np.log(preds + eps) + (1 - labels) * np.log(1 - preds + eps))
+    return dict(auc=float(roc_auc_score(labels, preds)), loss=float(loss),
+                candidates=int(labels.size), click_rate=float(labels.mean()))
+
+  def save(self, directory: str | os.PathLike) -> None:
+    """Checkpoints the model, the optimizer and the cursor at this step (orbax)."""
+    with self._manager(directory) as manager:
+      manager.save(self.step_count, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state((self.model, self.optimizer)))),
+          meta=ocp.args.JsonSave(dict(cursor=self.cursor, step=self.step_count,
+                                      build=self.train_config.build))))
+      manager.wait_until_finished()
+
+  def restore(self, directory: str | os.PathLike, step: int | None = None) -> int:
+    """Restores the latest (or `step`'s) checkpoint; returns its step."""
+    with self._manager(directory) as manager:
+      step = manager.latest_step() if step is None else step
+      if step is None:
+        raise FileNotFoundError(f"no checkpoint under {directory}")
+      state = nnx.state((self.model, self.optimizer))
+      abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(state))
+      restored = manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    nnx.replace_by_pure_dict(state, restored["state"])
+    nnx.update((self.model, self.optimizer), state)
+    self.cursor, self.step_count = restored["meta"]["cursor"], restored["meta"]["step"]
+    return step
+
+  @staticmethod
+  def _manager(directory) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(os.path.abspath(directory),
+                                 options=ocp.CheckpointManagerOptions(max_to_keep=3))
+
+
+def _fitting_prefix(requests: list[Request], num_candidates: int) -> int:
+  total = np.cumsum([r.num_candidates for r in requests])
+  fit = int(np.searchsorted(total, num_candidates, side="right"))
+  if fit == 0:
+    raise RequestError(f"a request has {requests[0].num_candidates} candidates; a batch holds "
+                       f"num_candidates={num_candidates}")
+  return fit
