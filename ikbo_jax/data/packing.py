@@ -12,12 +12,14 @@ from ikbo_jax.models.config import RankerConfig
 
 
 def pack_requests(requests: Sequence[Request], config: RankerConfig, *, num_users: int,
-                  num_candidates: int) -> RankingBatch:
+                  num_candidates: int, history_slots: int | None = None) -> RankingBatch:
   """Lays `requests` out user by user in `num_users` user and `num_candidates` candidate slots.
 
   Request `r` takes user slot `r` and the candidate slots after those of the
   requests before it, in its own candidate order; the rest is padding (see
-  `RankingBatch`). The requests must be validated (`Request.validated`) and fit.
+  `RankingBatch`). Histories take `history_slots` positions (default
+  `config.max_history`). The requests must be validated (`Request.validated`)
+  and fit.
 
   Returns:
     The batch, as NumPy arrays (the jitted model moves them to the device).
@@ -28,9 +30,12 @@ def pack_requests(requests: Sequence[Request], config: RankerConfig, *, num_user
   if starts[-1] > num_candidates:
     raise ValueError(f"{int(starts[-1])} candidates do not fit num_candidates="
                      f"{num_candidates} slots")
-  c = config
+  c, history_slots = config, history_slots or config.max_history
+  longest = max((len(r.history) for r in requests), default=0)
+  if longest > history_slots:
+    raise ValueError(f"a history of {longest} items does not fit history_slots={history_slots}")
   user_dense = np.zeros((num_users, c.user_dense), np.float32)
-  history = np.zeros((num_users, c.max_history), np.int32)
+  history = np.zeros((num_users, history_slots), np.int32)
   history_len = np.zeros((num_users,), np.int32)
   cand_to_user = np.full((num_candidates,), num_users, np.int32)  # padding: out of range
   cand_items = np.zeros((num_candidates,), np.int32)

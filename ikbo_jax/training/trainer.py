@@ -144,11 +144,15 @@ class Trainer:
     losses = []
     bar = tqdm(range(steps), desc=f"train ({self.train_config.build})", disable=not progress,
                unit="step")
-    start, seen = time.perf_counter(), 0
+    start, seen = None, 0
     for _ in bar:
       batch, count = self.next_batch()
       losses.append(_train_step(self.model, self.optimizer, batch, self.train_config.build))
       self.step_count += 1
+      if start is None:  # the rate starts after the first step, which compiles
+        jax.block_until_ready(losses[-1])
+        start = time.perf_counter()
+        continue
       seen += count
       if len(losses) % log_every == 0 or len(losses) == steps:
         losses[-1] = float(losses[-1])  # waits for the step: the rate is honest

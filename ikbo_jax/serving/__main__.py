@@ -1,0 +1,49 @@
+"""Serves the ranking model over HTTP (uvicorn):
+
+    python -m ikbo_jax.serving --checkpoint-dir /tmp/ranker --port 8000
+
+`--checkpoint-dir` is a directory written by `python -m ikbo_jax.training`
+(without it the model has random weights, for load tests). Routes: `POST
+/score`, `GET /health` (`ikbo_jax.serving.http`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import uvicorn
+
+from ikbo_jax.models import PRESETS
+from ikbo_jax.serving import runtime
+from ikbo_jax.serving.batcher import BatchingConfig
+from ikbo_jax.serving.buckets import BucketedModel
+from ikbo_jax.serving.http import create_app
+from ikbo_jax.training import TrainConfig, Trainer
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+  parser.add_argument("--checkpoint-dir")
+  parser.add_argument("--build", choices=("ikbo", "standard"), default="ikbo")
+  parser.add_argument("--max-batch-requests", type=int, default=16)
+  parser.add_argument("--batch-timeout-ms", type=float, default=2.0)
+  parser.add_argument("--mean-candidates", type=float, default=8.0,
+                      help="sizes the default buckets")
+  parser.add_argument("--host", default="127.0.0.1")
+  parser.add_argument("--port", type=int, default=8000)
+  args = parser.parse_args(argv)
+  config = PRESETS[args.preset]()
+  trainer = Trainer(config, TrainConfig(), source=None)
+  if args.checkpoint_dir:
+    print(f"restored step {trainer.restore(args.checkpoint_dir)} from {args.checkpoint_dir}")
+  buckets = runtime.default_buckets(config, max_batch_requests=args.max_batch_requests,
+                                    mean_candidates=args.mean_candidates)
+  model = BucketedModel(trainer.model, buckets, args.build)
+  print(f"compiled {len(buckets)} buckets: {buckets}")
+  batching = BatchingConfig(args.max_batch_requests, args.batch_timeout_ms)
+  uvicorn.run(create_app(model, batching), host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+  main()

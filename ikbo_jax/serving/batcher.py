@@ -1,0 +1,172 @@
+"""`Batcher`: concurrent requests grouped into batches that fit a compiled bucket.
+
+The knobs are those of TF-Serving's and Triton's dynamic batchers: a batch
+holds at most `max_batch_requests` requests, and the first request of a batch
+waits at most `batch_timeout_ms` for others to join. A batch closes early
+when the next request would not fit the largest bucket; that request opens the
+next batch. Each request is validated before it is queued: a bad one gets
+its own `RequestError` and never reaches a batch, so the other requests are
+unaffected. A request with more candidates than the largest bucket holds is
+split into pieces (the same user, consecutive candidates) and its scores are
+joined in order; a history longer than the model takes is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+
+import numpy as np
+
+from ikbo_jax.data import Request, RequestError
+from ikbo_jax.serving.buckets import BucketedModel
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchingConfig:
+  """Attributes:
+    max_batch_requests: most requests in one batch (TF-Serving's max_batch_size); default
+      the user slots of the largest bucket.
+    batch_timeout_ms: longest wait of a batch's first request for more (max queue delay).
+    max_queued: requests waiting beyond this are refused at once (back-pressure).
+  """
+
+  max_batch_requests: int | None = None
+  batch_timeout_ms: float = 2.0
+  max_queued: int = 4096
+
+  def __post_init__(self):
+    if self.max_batch_requests is not None and not (
+        isinstance(self.max_batch_requests, int) and self.max_batch_requests > 0):
+      raise ValueError(f"max_batch_requests must be a positive int, got {self.max_batch_requests!r}")
+    if not self.batch_timeout_ms >= 0:
+      raise ValueError(f"batch_timeout_ms must be >= 0, got {self.batch_timeout_ms!r}")
+    if not (isinstance(self.max_queued, int) and self.max_queued > 0):
+      raise ValueError(f"max_queued must be a positive int, got {self.max_queued!r}")
+
+
+@dataclasses.dataclass
+class _Pending:
+  request: Request
+  future: asyncio.Future
+
+
+class Batcher:
+  """Scores requests through `model`, batching the ones that arrive together.
+
+  Use as an async context manager (it runs a batching task and one model thread):
+
+  >>> import asyncio
+  >>> from flax import nnx
+  >>> from ikbo_jax.data.synthetic import ClickGenerator
+  >>> from ikbo_jax.models import Ranker, RankerConfig
+  >>> from ikbo_jax.serving import Batcher, Bucket, BucketedModel
+  >>> config = RankerConfig()
+  >>> model = BucketedModel(Ranker(config, rngs=nnx.Rngs(0)), [Bucket(64, 4, 32)])
+  >>> async def serve(requests):
+  ...   async with Batcher(model) as batcher:
+  ...     return await asyncio.gather(*(batcher.score(r) for r in requests))
+  >>> requests = ClickGenerator(config, seed=0).requests(6)
+  >>> scores = asyncio.run(serve(requests))
+  >>> [len(s) for s in scores] == [r.num_candidates for r in requests]
+  True
+  """
+
+  def __init__(self, model: BucketedModel, config: BatchingConfig = BatchingConfig()):
+    if config.max_batch_requests is None:
+      config = dataclasses.replace(config, max_batch_requests=model.largest.num_users)
+    if config.max_batch_requests > model.largest.num_users:
+      raise ValueError(f"max_batch_requests={config.max_batch_requests} exceeds the user slots "
+                       f"of the largest bucket, {model.largest}")
+    self.model, self.config = model, config
+    self.batches_run = 0
+    self._queue: collections.deque[_Pending] = collections.deque()
+    self._arrived = asyncio.Event()
+    self._task: asyncio.Task | None = None
+    self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ikbo-model")
+
+  async def __aenter__(self) -> Batcher:
+    self._task = asyncio.create_task(self._run())
+    return self
+
+  async def __aexit__(self, *exc) -> None:
+    self._task.cancel()
+    try:
+      await self._task
+    except asyncio.CancelledError:
+      pass
+    for pending in self._queue:
+      pending.future.set_exception(RuntimeError("the batcher stopped"))
+    self._thread.shutdown(wait=True)
+
+  async def score(self, request: Request) -> np.ndarray:
+    """The request's click probabilities in its candidate order; `RequestError` if it is bad."""
+    if self._task is None or self._task.done():
+      raise RuntimeError("the batcher is not running: use `async with Batcher(...)`")
+    request = request.validated(self.model.config)
+    largest = self.model.largest
+    if len(request.history) > largest.history_slots:
+      raise RequestError(f"history has {len(request.history)} items; the largest bucket takes "
+                         f"{largest.history_slots}")
+    if len(self._queue) >= self.config.max_queued:
+      raise RequestError(f"the queue is full ({self.config.max_queued} requests); retry later")
+    pieces = await asyncio.gather(*(self._enqueue(piece)
+                                    for piece in _split(request, largest.num_candidates)))
+    return np.concatenate(pieces)
+
+  def _enqueue(self, request: Request) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    self._queue.append(_Pending(request, future))
+    self._arrived.set()
+    return future
+
+  async def _next_request(self, timeout: float | None) -> _Pending | None:
+    while not self._queue:
+      self._arrived.clear()
+      try:
+        await asyncio.wait_for(self._arrived.wait(), timeout)
+      except TimeoutError:
+        return None
+    return self._queue.popleft()
+
+  async def _run(self) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+      batch = [await self._next_request(None)]
+      deadline = loop.time() + self.config.batch_timeout_ms / 1e3
+      while len(batch) < self.config.max_batch_requests:
+        pending = await self._next_request(max(deadline - loop.time(), 0))
+        if pending is None:
+          break
+        if self.model.bucket_for([p.request for p in batch + [pending]]) is None:
+          self._queue.appendleft(pending)  # opens the next batch
+          break
+        batch.append(pending)
+      live = [p for p in batch if not p.future.cancelled()]
+      if not live:
+        continue
+      try:
+        scores = await loop.run_in_executor(self._thread, self.model,
+                                            [p.request for p in live])
+      except Exception as e:  # a failure of the batch reaches each of its callers
+        for p in live:
+          if not p.future.done():
+            p.future.set_exception(e)
+        continue
+      self.batches_run += 1
+      for p, s in zip(live, scores):
+        if not p.future.done():
+          p.future.set_result(s)
+
+
+def _split(request: Request, max_candidates: int) -> list[Request]:
+  """`request` as pieces of at most `max_candidates` candidates each, in order."""
+  if request.num_candidates <= max_candidates:
+    return [request]
+  return [dataclasses.replace(
+      request, cand_items=request.cand_items[i:i + max_candidates],
+      cand_dense=request.cand_dense[i:i + max_candidates],
+      labels=None if request.labels is None else request.labels[i:i + max_candidates])
+          for i in range(0, request.num_candidates, max_candidates)]

@@ -1,0 +1,105 @@
+"""`BucketedModel`: the model compiled once per static shape bucket, before any request.
+
+A bucket fixes a batch's shape: `num_users` request slots, `num_candidates`
+candidate slots and `history_slots` history positions. Each bucket's
+executable is compiled ahead of time (`jax.jit(...).lower(...).compile()`),
+so serving never compiles: a batch must be packed into one of the buckets,
+and an executable called with any other shape raises instead of recompiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ikbo_jax.data import Request, pack_requests
+from ikbo_jax.models import Ranker, RankingBatch
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Bucket:
+  """A static batch shape (ordered by size: candidates, then users, then history)."""
+
+  num_candidates: int
+  num_users: int
+  history_slots: int
+
+  def fits(self, requests: Sequence[Request]) -> bool:
+    return (len(requests) <= self.num_users
+            and sum(r.num_candidates for r in requests) <= self.num_candidates
+            and max(len(r.history) for r in requests) <= self.history_slots)
+
+
+class BucketedModel:
+  """Click probabilities for packed requests, one compiled executable per bucket.
+
+  Args:
+    model: the trained `Ranker` (its parameters are captured at construction).
+    buckets: the shapes to compile; the largest bounds what one batch can hold.
+      Every bucket's `history_slots` must be at most the model's `max_history`.
+    build: `"ikbo"` (the mapping passed to the IKBO layers) or `"standard"`.
+  """
+
+  def __init__(self, model: Ranker, buckets: Sequence[Bucket],
+               build: Literal["ikbo", "standard"] = "ikbo"):
+    if build not in ("ikbo", "standard"):
+      raise ValueError(f"build must be 'ikbo' or 'standard', got {build!r}")
+    if not buckets:
+      raise ValueError("buckets is empty: give at least one Bucket")
+    config = model.config
+    for b in buckets:
+      if not all(isinstance(x, int) and x > 0 for x in dataclasses.astuple(b)):
+        raise ValueError(f"bucket sizes must be positive ints, got {b}")
+      if b.history_slots > config.max_history:
+        raise ValueError(f"{b}: history_slots must be at most the model's max_history="
+                         f"{config.max_history}")
+    self.config, self.build = config, build
+    self.buckets = tuple(sorted(set(buckets)))
+    graphdef, state = nnx.split(model)
+
+    def probabilities(state, batch: RankingBatch) -> jax.Array:
+      model = nnx.merge(graphdef, state)
+      return jax.nn.sigmoid(model(batch) if build == "ikbo" else model.standard(batch))
+
+    self._state = state
+    self._executables = {b: jax.jit(probabilities).lower(state, self._example(b)).compile()
+                         for b in self.buckets}
+
+  @property
+  def largest(self) -> Bucket:
+    return self.buckets[-1]
+
+  def bucket_for(self, requests: Sequence[Request]) -> Bucket | None:
+    """The smallest bucket that holds `requests`, or None."""
+    return next((b for b in self.buckets if b.fits(requests)), None)
+
+  def __call__(self, requests: Sequence[Request]) -> list[np.ndarray]:
+    """Each request's click probabilities, in its candidate order (validated requests)."""
+    bucket = self.bucket_for(requests)
+    if bucket is None:
+      raise ValueError(f"{len(requests)} requests with {sum(r.num_candidates for r in requests)} "
+                       f"candidates fit no bucket; the largest is {self.largest}")
+    batch = pack_requests(requests, self.config, num_users=bucket.num_users,
+                          num_candidates=bucket.num_candidates,
+                          history_slots=bucket.history_slots)
+    scores = np.asarray(self._executables[bucket](self._state, batch))
+    offsets = np.cumsum([0] + [r.num_candidates for r in requests])
+    return [scores[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
+  def _example(self, bucket: Bucket) -> RankingBatch:
+    c = self.config
+    shape = lambda *s, dtype=jnp.float32: jax.ShapeDtypeStruct(s, dtype)
+    return RankingBatch(
+        user_dense=shape(bucket.num_users, c.user_dense),
+        history=shape(bucket.num_users, bucket.history_slots, dtype=jnp.int32),
+        history_len=shape(bucket.num_users, dtype=jnp.int32),
+        cand_to_user=shape(bucket.num_candidates, dtype=jnp.int32),
+        cand_items=shape(bucket.num_candidates, dtype=jnp.int32),
+        cand_dense=shape(bucket.num_candidates, c.cand_dense),
+        labels=shape(bucket.num_candidates))

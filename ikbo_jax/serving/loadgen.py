@@ -1,0 +1,116 @@
+"""A load generator: a Poisson request stream at a target rate, and its latency percentiles.
+
+    python -m ikbo_jax.serving.loadgen --qps 200 --requests 1000
+    python -m ikbo_jax.serving.loadgen --url http://127.0.0.1:8000 --qps 100
+
+In-process it serves both builds of one model (IKBO and standard) through the
+batcher in turn and prints p50/p90/p99 latency and throughput for each; with
+`--url` it drives a running server over HTTP. The stream is the synthetic one
+(`ikbo_jax.data.synthetic`): log-normal candidate counts around
+`--mean-candidates`. Bounded by `--requests` and `--max-seconds`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+import numpy as np
+
+from ikbo_jax.data import Request, RequestError
+
+
+async def run_load(score: Callable[[Request], Awaitable], requests: Sequence[Request], *,
+                   qps: float, seed: int = 0, max_seconds: float = 60.0) -> dict:
+  """Sends `requests` at Poisson arrivals of rate `qps`; latency stats of those answered."""
+  gaps = np.random.default_rng(seed).exponential(1.0 / qps, size=len(requests))
+  loop = asyncio.get_running_loop()
+  start = loop.time()
+  latencies, errors = [], []
+
+  async def one(request: Request) -> None:
+    sent = time.perf_counter()
+    try:
+      await score(request)
+    except RequestError as e:
+      errors.append(str(e))
+      return
+    latencies.append((time.perf_counter() - sent) * 1e3)
+
+  tasks = []
+  for request, arrival in zip(requests, np.cumsum(gaps)):
+    if arrival > max_seconds:
+      break
+    await asyncio.sleep(max(start + arrival - loop.time(), 0))
+    tasks.append(asyncio.create_task(one(request)))
+  await asyncio.gather(*tasks)
+  elapsed = loop.time() - start
+  sent = requests[:len(tasks)]
+  p50, p90, p99 = (np.percentile(latencies, (50, 90, 99)) if latencies else (np.nan,) * 3)
+  return dict(target_qps=qps, requests=len(tasks), errors=len(errors),
+              candidates=int(sum(r.num_candidates for r in sent)), seconds=elapsed,
+              achieved_qps=len(latencies) / elapsed, p50_ms=float(p50), p90_ms=float(p90),
+              p99_ms=float(p99), mean_ms=float(np.mean(latencies)) if latencies else np.nan)
+
+
+def format_row(name: str, stats: dict) -> str:
+  return (f"{name:>9}: {stats['requests']} requests at {stats['target_qps']:.0f}/s -> "
+          f"{stats['achieved_qps']:.0f}/s answered, latency p50 {stats['p50_ms']:.1f} ms, "
+          f"p90 {stats['p90_ms']:.1f} ms, p99 {stats['p99_ms']:.1f} ms, {stats['errors']} errors")
+
+
+async def _over_http(url: str, requests, args) -> dict:
+  import httpx
+
+  async with httpx.AsyncClient(base_url=url, timeout=30.0) as client:
+    async def score(request: Request):
+      body = {f: np.asarray(getattr(request, f)).tolist()
+              for f in ("user_dense", "history", "cand_items", "cand_dense")}
+      response = await client.post("/score", json=body)
+      if response.status_code == 400:
+        raise RequestError(response.json()["error"])
+      response.raise_for_status()
+      return response.json()["scores"]
+    return await run_load(score, requests, qps=args.qps, max_seconds=args.max_seconds)
+
+
+def main(argv=None) -> dict:
+  from ikbo_jax.data.synthetic import ClickGenerator
+  from ikbo_jax.models import PRESETS
+  from ikbo_jax.serving import runtime
+
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+  parser.add_argument("--qps", type=float, default=100.0)
+  parser.add_argument("--requests", type=int, default=500)
+  parser.add_argument("--max-seconds", type=float, default=60.0)
+  parser.add_argument("--mean-candidates", type=float, default=8.0)
+  parser.add_argument("--url", help="drive a running server over HTTP instead")
+  parser.add_argument("--out", help="write the stats as JSON")
+  args = parser.parse_args(argv)
+  config = PRESETS[args.preset]()
+  gen = ClickGenerator(config, seed=1, mean_candidates=args.mean_candidates,
+                       max_candidates=int(8 * args.mean_candidates))
+  requests = gen.requests(args.requests, start=2 * 10**9)
+  if args.url:
+    results = {"http": asyncio.run(_over_http(args.url, requests, args))}
+  else:
+    from flax import nnx
+    from ikbo_jax.models import Ranker
+    model = Ranker(config, rngs=nnx.Rngs(0))
+    results = runtime.compare_builds(model, requests, qps=args.qps,
+                                     mean_candidates=args.mean_candidates,
+                                     max_seconds=args.max_seconds)
+  for name, stats in results.items():
+    print(format_row(name, stats))
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(results, f, indent=1)
+  return results
+
+
+if __name__ == "__main__":
+  main()

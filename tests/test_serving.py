@@ -1,0 +1,159 @@
+"""Serving: bucketed executables, the batcher, the HTTP endpoint and the load generator."""
+
+import asyncio
+import dataclasses
+import re
+import socket
+import threading
+import time
+
+import httpx
+import jax
+import numpy as np
+import pytest
+import uvicorn
+from flax import nnx
+
+from ikbo_jax.data import RequestError, pack_requests
+from ikbo_jax.data.synthetic import ClickGenerator
+from ikbo_jax.models import Ranker, RankerConfig
+from ikbo_jax.serving import Batcher, BatchingConfig, Bucket, BucketedModel
+from ikbo_jax.serving.http import create_app
+from ikbo_jax.serving.loadgen import run_load
+
+CONFIG = RankerConfig(num_items=300, max_history=16)
+BUCKETS = [Bucket(16, 2, 16), Bucket(48, 4, 16)]
+_COMPILES = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, *_, **__: _COMPILES.append(event)
+    if event == "/jax/core/compile/backend_compile_duration" else None)
+
+
+@pytest.fixture(scope="module")
+def ranker():
+  return Ranker(CONFIG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def served(ranker):
+  return BucketedModel(ranker, BUCKETS, "ikbo")
+
+
+def _requests(count, start=0, mean=4, most=40):
+  return ClickGenerator(CONFIG, seed=5, mean_candidates=mean, max_candidates=most).requests(
+      count, start)
+
+
+def _alone(ranker, request):
+  """The request scored by itself, in a batch of exactly its size."""
+  batch = pack_requests([request.validated(CONFIG)], CONFIG, num_users=1,
+                        num_candidates=request.num_candidates)
+  return np.asarray(jax.nn.sigmoid(nnx.jit(lambda m, b: m(b))(ranker, batch)))
+
+
+async def _score_all(served, requests, **batching):
+  async with Batcher(served, BatchingConfig(**batching)) as batcher:
+    return await asyncio.gather(*(batcher.score(r) for r in requests), return_exceptions=True)
+
+
+def test_batched_scores_equal_each_request_scored_alone(ranker, served):
+  reqs = _requests(12)
+  edge = dataclasses.replace(reqs[0], cand_items=np.arange(48) % 300,
+                             cand_dense=np.ones((48, CONFIG.cand_dense)), labels=None)
+  single = dataclasses.replace(reqs[1], cand_items=reqs[1].cand_items[:1],
+                               cand_dense=reqs[1].cand_dense[:1], labels=None)
+  oversized = dataclasses.replace(edge, cand_items=np.arange(100) % 300,
+                                  cand_dense=np.ones((100, CONFIG.cand_dense)))  # split in 3
+  full_history = dataclasses.replace(reqs[2], history=np.arange(16))
+  mixed = [edge, single, oversized, full_history, *reqs[3:]]
+  scores = asyncio.run(_score_all(served, mixed, batch_timeout_ms=5.0))
+  for request, got in zip(mixed, scores):
+    assert got.shape == (request.num_candidates,)
+    np.testing.assert_allclose(got, _alone(ranker, request), rtol=1e-5, atol=1e-6)
+
+
+def test_a_bad_request_fails_alone(ranker, served):
+  good = _requests(4, start=100)
+  r = good[0]
+  bad = {
+      "cand_items is empty": dataclasses.replace(r, cand_items=np.zeros(0, int),
+                                                 cand_dense=np.zeros((0, CONFIG.cand_dense))),
+      "history has 17 items": dataclasses.replace(r, history=np.arange(17)),
+      r"unknown item ids \[300\]": dataclasses.replace(r, history=np.array([1, 300])),
+      r"cand_dense must have shape \(": dataclasses.replace(r, cand_dense=np.ones((1, 2))),
+      "user_dense must be finite": dataclasses.replace(
+          r, user_dense=np.full(CONFIG.user_dense, np.nan)),
+  }
+  results = asyncio.run(_score_all(served, [*bad.values(), *good]))
+  for (pattern, _), result in zip(bad.items(), results):
+    assert isinstance(result, RequestError) and re.search(pattern, str(result)), (
+        pattern, result)
+  for request, got in zip(good, results[len(bad):]):
+    np.testing.assert_allclose(got, _alone(ranker, request), rtol=1e-5, atol=1e-6)
+
+
+def test_no_compilation_after_start_up(served):
+  before = len(_COMPILES)
+  requests = _requests(30, start=200, mean=6)
+  scores = asyncio.run(_score_all(served, requests, batch_timeout_ms=1.0))
+  assert all(isinstance(s, np.ndarray) for s in scores)
+  assert len(_COMPILES) == before, "serving compiled after warm-up"
+  jax.jit(lambda x: x * 1.25 + 0.5)(np.ones(7))  # the counter does see a compilation
+  assert len(_COMPILES) > before
+
+
+def test_bucket_and_batching_arguments_are_checked(ranker, served):
+  with pytest.raises(ValueError, match="history_slots must be at most the model's max_history"):
+    BucketedModel(ranker, [Bucket(8, 1, 17)])
+  with pytest.raises(ValueError, match="build must be"):
+    BucketedModel(ranker, BUCKETS, "fast")
+  with pytest.raises(ValueError, match="max_batch_requests=5 exceeds"):
+    Batcher(served, BatchingConfig(max_batch_requests=5))
+  with pytest.raises(ValueError, match="batch_timeout_ms must be >= 0"):
+    BatchingConfig(batch_timeout_ms=-1)
+
+
+def test_http_endpoint_over_loopback(ranker, served):
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  server = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port,
+                                         log_level="warning"))
+  thread = threading.Thread(target=server.run, daemon=True)
+  thread.start()
+  try:
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+      time.sleep(0.05)
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+      health = client.get("/health").json()
+      assert health["status"] == "ok" and health["build"] == "ikbo"
+      request = _requests(1, start=300)[0]
+      body = {f: np.asarray(getattr(request, f)).tolist()
+              for f in ("user_dense", "history", "cand_items", "cand_dense")}
+      response = client.post("/score", json=body)
+      assert response.status_code == 200
+      np.testing.assert_allclose(response.json()["scores"], _alone(ranker, request),
+                                 rtol=1e-5, atol=1e-6)
+      bad = client.post("/score", json={**body, "cand_items": [10**6]})
+      assert bad.status_code == 400 and "cand_items" in bad.json()["error"]
+      assert client.post("/score", content=b"{not json").status_code == 400
+      missing = client.post("/score", json={"history": []})
+      assert missing.status_code == 400 and "missing ['user_dense'" in missing.json()["error"]
+  finally:
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+def test_load_generator_reports_percentiles():
+  async def score(request):
+    await asyncio.sleep(0.001)
+    if request.num_candidates > 10:
+      raise RequestError("too many")
+    return np.zeros(request.num_candidates)
+
+  requests = _requests(60, start=400)
+  stats = asyncio.run(run_load(score, requests, qps=500.0))
+  rejected = sum(r.num_candidates > 10 for r in requests)
+  assert stats["requests"] == 60 and stats["errors"] == rejected
+  assert 1.0 <= stats["p50_ms"] <= stats["p90_ms"] <= stats["p99_ms"] < 1000
