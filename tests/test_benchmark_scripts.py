@@ -25,3 +25,17 @@ def test_self_target_attention_benchmark_small(tmp_path):
   rows = json.loads(out.read_text())["sweep"]["32"]
   assert rows["fused_xla"]["ms"] > 0 and rows["block/user_sequence_block"]["ms"] > 0
   assert 0 < rows["fused_xla"]["roofline_fraction"] and rows["fused_xla"]["tbps"] > 0
+
+
+def test_ranking_system_benchmark_small(tmp_path):
+  out = tmp_path / "rs.json"
+  subprocess.run([sys.executable, "-m", "benchmarks.ranking_system", "--small",
+                  "--iterations", "2", "--requests-per-rate", "30", "--sizes", "64",
+                  "--ratios", "8", "--rates", "100", "--out", str(out)],
+                 cwd=ROOT, check=True)
+  result = json.loads(out.read_text())
+  for row in (*result["inference"].values(), result["training"]):
+    assert row["ikbo"]["ms"] > 0 and row["standard"]["ms"] > 0 and row["speedup"] > 0
+  serving = result["serving"]
+  assert serving["ikbo"]["ladder"] and serving["standard"]["ladder"]
+  assert all(s["errors"] == 0 for s in serving["ikbo"]["ladder"])

@@ -1,0 +1,161 @@
+"""End-to-end benchmark of the reference ranker: IKBO vs standard build of the same parameters.
+
+    python -m benchmarks.ranking_system --out benchmarks/results/ranking_system_h200.json
+    python -m benchmarks.ranking_system --small --out /tmp/small.json   # CPU, seconds
+
+Three measurements, each for both builds in the same run:
+1. inference: the jitted forward at B candidates of U = B / ratio users, for
+   every (B, ratio) asked (default B in {256, 1024, 4096}, ratio in {10, 70, 500});
+2. training: one optimizer step (forward, backward, AdamW) at B=1024, ratio 70;
+3. serving: a Poisson stream through the batcher and the compiled buckets at
+   rising rates; the highest rate whose p99 latency stays within the budget
+   (default 20 ms on a GPU, 100 ms with --small) and whose answered rate is at
+   least 90% of the offered one.
+Times are medians (CUPTI kernel time on a GPU, wall clock elsewhere; serving is
+always wall clock, end to end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from benchmarks import common
+from ikbo_jax.data.synthetic import ClickGenerator
+from ikbo_jax.models import Ranker, RankerConfig, RankingBatch
+from ikbo_jax.serving import Batcher, BatchingConfig, BucketedModel
+from ikbo_jax.serving.loadgen import run_load
+from ikbo_jax.serving.runtime import default_buckets
+from ikbo_jax.training.trainer import masked_loss
+
+BUILDS = ("ikbo", "standard")
+
+
+def random_batch(config: RankerConfig, num_users: int, num_candidates: int,
+                 seed: int = 0) -> RankingBatch:
+  """Users with histories of S/2..S items and candidates split evenly between them."""
+  rng = np.random.default_rng(seed)
+  s = config.max_history
+  return RankingBatch(
+      user_dense=rng.normal(size=(num_users, config.user_dense)).astype(np.float32),
+      history=rng.integers(0, config.num_items, (num_users, s), dtype=np.int32),
+      history_len=rng.integers(s // 2, s + 1, num_users, dtype=np.int32),
+      cand_to_user=np.sort(np.arange(num_candidates) % num_users).astype(np.int32),
+      cand_items=rng.integers(0, config.num_items, num_candidates, dtype=np.int32),
+      cand_dense=rng.normal(size=(num_candidates, config.cand_dense)).astype(np.float32),
+      labels=(rng.random(num_candidates) < 0.3).astype(np.float32))
+
+
+def _forward(build):
+  return nnx.jit(lambda model, batch: model(batch) if build == "ikbo" else model.standard(batch))
+
+
+def _train_step(build):
+  @nnx.jit
+  def step(model, optimizer, batch):
+    def loss(m):
+      return masked_loss(m(batch) if build == "ikbo" else m.standard(batch), batch)
+    value, grads = nnx.value_and_grad(loss)(model)
+    optimizer.update(model, grads)
+    return value
+  return step
+
+
+def inference(model, config, sizes, ratios, iterations) -> dict:
+  rows = {}
+  for b in sizes:
+    for ratio in ratios:
+      batch = random_batch(config, max(1, round(b / ratio)), b)
+      row = {}
+      for build in BUILDS:
+        try:
+          ms, timer = common.median_ms(_forward(build), model, batch, iterations=iterations)
+          row[build] = dict(ms=ms, timer=timer)
+        except Exception as e:  # e.g. out of memory for the standard build at large B
+          row[build] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
+      if "ms" in row["ikbo"] and "ms" in row["standard"]:
+        row["speedup"] = row["standard"]["ms"] / row["ikbo"]["ms"]
+      rows[f"B{b}_ratio{ratio}"] = dict(num_candidates=b, num_users=batch.num_users, **row)
+      print(f"inference B={b} ratio={ratio}: {row}", flush=True)
+  return rows
+
+
+def training(config, b, ratio, iterations) -> dict:
+  batch = random_batch(config, max(1, round(b / ratio)), b, seed=1)
+  row = dict(num_candidates=b, num_users=batch.num_users)
+  for build in BUILDS:
+    model = Ranker(config, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+    ms, timer = common.median_ms(_train_step(build), model, optimizer, batch,
+                                 iterations=iterations)
+    row[build] = dict(ms=ms, timer=timer)
+  row["speedup"] = row["standard"]["ms"] / row["ikbo"]["ms"]
+  print(f"training: {row}", flush=True)
+  return row
+
+
+async def _load(served, requests, rate, max_seconds):
+  async with Batcher(served, BatchingConfig(batch_timeout_ms=2.0)) as batcher:
+    await asyncio.gather(*(batcher.score(r) for r in requests[:16]))
+    return await run_load(batcher.score, requests, qps=rate, max_seconds=max_seconds)
+
+
+def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate) -> dict:
+  gen = ClickGenerator(config, seed=3, mean_candidates=mean_candidates,
+                       max_candidates=int(4 * mean_candidates))
+  requests = gen.requests(requests_per_rate, start=3 * 10**9)
+  buckets = default_buckets(config, mean_candidates=mean_candidates)
+  out = dict(budget_p99_ms=budget_ms, mean_candidates=mean_candidates,
+             buckets=[(b.num_candidates, b.num_users, b.history_slots) for b in buckets])
+  for build in BUILDS:
+    served = BucketedModel(model, buckets, build)
+    ladder, sustained = [], 0.0
+    for rate in rates:
+      stats = asyncio.run(_load(served, requests, rate, max_seconds=30.0))
+      ladder.append(stats)
+      print(f"serving {build} at {rate}/s: p99 {stats['p99_ms']:.1f} ms, "
+            f"answered {stats['achieved_qps']:.0f}/s", flush=True)
+      if stats["p99_ms"] > budget_ms or stats["achieved_qps"] < 0.9 * stats["offered_qps"]:
+        break
+      sustained = rate
+    out[build] = dict(sustained_qps=sustained, ladder=ladder)
+  out["qps_ratio"] = out["ikbo"]["sustained_qps"] / max(out["standard"]["sustained_qps"], 1e-9)
+  return out
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--small", action="store_true", help="the CPU default model, tiny sizes")
+  parser.add_argument("--iterations", type=int, default=20)
+  parser.add_argument("--budget-ms", type=float, help="p99 budget (default 20, --small 100)")
+  parser.add_argument("--requests-per-rate", type=int, default=400)
+  parser.add_argument("--sizes", type=int, nargs="*", help="candidate counts B")
+  parser.add_argument("--ratios", type=int, nargs="*", help="candidates per user")
+  parser.add_argument("--rates", type=float, nargs="*", help="serving rates to climb")
+  parser.add_argument("--out", required=True)
+  args = parser.parse_args()
+  if args.small:
+    config, sizes, ratios, train_at = RankerConfig(), (64, 256), (8, 32), (256, 32)
+    rates, mean = (50, 100, 200, 400, 800), 8.0
+  else:
+    config, sizes, ratios, train_at = RankerConfig.benchmark(), (256, 1024, 4096), (10, 70, 500), (1024, 70)
+    rates, mean = (25, 50, 100, 200, 400, 800, 1600), 70.0
+  sizes, ratios, rates = args.sizes or sizes, args.ratios or ratios, args.rates or rates
+  budget_ms = args.budget_ms or (100.0 if args.small else 20.0)
+  model = Ranker(config, rngs=nnx.Rngs(0))
+  payload = dict(**common.metadata(), config=str(config), iterations=args.iterations,
+                 inference=inference(model, config, sizes, ratios, args.iterations),
+                 training=training(config, *train_at, args.iterations),
+                 serving=serving(model, config, mean, rates, budget_ms,
+                                 args.requests_per_rate))
+  common.write_json(args.out, payload)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,13 @@
+"""The README's main command (`python -m ikbo_jax`) runs end to end on a CPU."""
+
+from ikbo_jax import __main__ as main_job
+
+
+def test_main_job_trains_and_serves_both_builds(tmp_path):
+  report = main_job.main(["--steps", "40", "--requests", "40", "--qps", "200",
+                          "--out", str(tmp_path / "report.json")])
+  assert report["auc_after"] > report["auc_before"]
+  assert report["build_difference"] < 1e-4
+  for build in ("ikbo", "standard"):
+    stats = report["serving"][build]
+    assert stats["requests"] == 40 and stats["errors"] == 0 and stats["p99_ms"] > 0
