@@ -4,6 +4,7 @@
 # Set IKBO_COMMIT (the device copy has no .git). STEPS picks what runs, by default
 # "lc attention self_target tests demo diagnostics"; also "sweep" (the randomized correctness
 # sweep and the regression tests, failures in full), "soak" (tools/soak.py for SOAK_MINUTES),
+# "system" (the ranking system benchmark and the main job at the benchmark preset),
 # "attention_tests" (the attention GPU tests only), "attention_diagnostics" and "attention_ncu" (Nsight Compute). DIAG_ARGS go to the attention diagnostics. BENCH_ARGS=--no-sweeps shortens the lc step.
 set -uo pipefail
 OUT=${OUT:-/tmp/ikbo_out}; mkdir -p "$OUT"
@@ -69,6 +70,13 @@ fi
 if has soak; then
   timeout $(( ${SOAK_MINUTES:-5} * 60 + 120 )) python3 tools/soak.py --minutes "${SOAK_MINUTES:-5}" \
     --out "$OUT/soak_h200.json" 2>&1 | tail -n 20 | cut -c1-400
+fi
+if has system; then
+  timeout "${SYSTEM_TIMEOUT:-420}" python3 -m benchmarks.ranking_system \
+    --out "$OUT/ranking_system_h200.json" 2>&1 | grep -v Warning | tee "$OUT/ranking_system.log" \
+    | cut -c1-400 | tail -n 30
+  timeout 240 python3 -m ikbo_jax --preset benchmark --steps 30 --requests 300 --qps 50 \
+    --out "$OUT/main_job_h200.json" 2>&1 | grep -v "Warning\|it/s\|step/s" | tail -n 8
 fi
 if has attention_tests; then
   timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -q -p no:cacheprovider -m gpu -rA \

@@ -106,11 +106,12 @@ async def _load(served, requests, rate, max_seconds):
     return await run_load(batcher.score, requests, qps=rate, max_seconds=max_seconds)
 
 
-def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate) -> dict:
+def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
+            num_buckets) -> dict:
   gen = ClickGenerator(config, seed=3, mean_candidates=mean_candidates,
                        max_candidates=int(4 * mean_candidates))
   requests = gen.requests(requests_per_rate, start=3 * 10**9)
-  buckets = default_buckets(config, mean_candidates=mean_candidates)
+  buckets = default_buckets(config, mean_candidates=mean_candidates, count=num_buckets)
   out = dict(budget_p99_ms=budget_ms, mean_candidates=mean_candidates,
              buckets=[(b.num_candidates, b.num_users, b.history_slots) for b in buckets])
   for build in BUILDS:
@@ -138,6 +139,7 @@ def main() -> None:
   parser.add_argument("--sizes", type=int, nargs="*", help="candidate counts B")
   parser.add_argument("--ratios", type=int, nargs="*", help="candidates per user")
   parser.add_argument("--rates", type=float, nargs="*", help="serving rates to climb")
+  parser.add_argument("--buckets", type=int, default=4, help="how many default buckets (1-4)")
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
   if args.small:
@@ -153,7 +155,7 @@ def main() -> None:
                  inference=inference(model, config, sizes, ratios, args.iterations),
                  training=training(config, *train_at, args.iterations),
                  serving=serving(model, config, mean, rates, budget_ms,
-                                 args.requests_per_rate))
+                                 args.requests_per_rate, args.buckets))
   common.write_json(args.out, payload)
 
 

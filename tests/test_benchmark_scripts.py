@@ -31,7 +31,7 @@ def test_ranking_system_benchmark_small(tmp_path):
   out = tmp_path / "rs.json"
   subprocess.run([sys.executable, "-m", "benchmarks.ranking_system", "--small",
                   "--iterations", "2", "--requests-per-rate", "30", "--sizes", "64",
-                  "--ratios", "8", "--rates", "100", "--out", str(out)],
+                  "--ratios", "8", "--rates", "100", "--buckets", "1", "--out", str(out)],
                  cwd=ROOT, check=True)
   result = json.loads(out.read_text())
   for row in (*result["inference"].values(), result["training"]):

@@ -17,6 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     ("linear_compression", "baseline_materialized"),
     ("target_attention", "xla_materialized"),
     ("self_target_attention", "fused_xla"),
+    ("ranking_system", "sustained QPS ratio"),
 ])
 def test_notebook_executes_on_small_results(name, expected, tmp_path):
   results = tmp_path / "small.json"

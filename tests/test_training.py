@@ -11,6 +11,7 @@ from ikbo_jax.data import Request, RequestError, files
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.models import RankerConfig
 from ikbo_jax.training import TrainConfig, Trainer
+from ikbo_jax.training.trainer import load_ranker
 from ikbo_jax.training import __main__ as train_command
 
 CONFIG = RankerConfig()
@@ -40,6 +41,10 @@ def test_resumed_run_takes_the_same_next_step(tmp_path):
   assert resumed.step() == pytest.approx(next_loss, rel=1e-6)
   for a, b in zip(jax.tree.leaves(nnx.state(first.model)), jax.tree.leaves(nnx.state(resumed.model))):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+  served = load_ranker(CONFIG, tmp_path)  # what `python -m ikbo_jax.serving` restores
+  assert resumed.restore(tmp_path, step=3) == 3
+  for a, b in zip(jax.tree.leaves(nnx.state(served)), jax.tree.leaves(nnx.state(resumed.model))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_restore_without_a_checkpoint_says_so(tmp_path):

@@ -12,13 +12,15 @@ from __future__ import annotations
 import argparse
 
 import uvicorn
+from flax import nnx
 
 from ikbo_jax.models import PRESETS
 from ikbo_jax.serving import runtime
 from ikbo_jax.serving.batcher import BatchingConfig
 from ikbo_jax.serving.buckets import BucketedModel
 from ikbo_jax.serving.http import create_app
-from ikbo_jax.training import TrainConfig, Trainer
+from ikbo_jax.models import Ranker
+from ikbo_jax.training.trainer import load_ranker
 
 
 def main(argv=None) -> None:
@@ -34,12 +36,14 @@ def main(argv=None) -> None:
   parser.add_argument("--port", type=int, default=8000)
   args = parser.parse_args(argv)
   config = PRESETS[args.preset]()
-  trainer = Trainer(config, TrainConfig(), source=None)
   if args.checkpoint_dir:
-    print(f"restored step {trainer.restore(args.checkpoint_dir)} from {args.checkpoint_dir}")
+    ranker = load_ranker(config, args.checkpoint_dir)
+  else:
+    print("no --checkpoint-dir: serving random weights")
+    ranker = Ranker(config, rngs=nnx.Rngs(0))
   buckets = runtime.default_buckets(config, max_batch_requests=args.max_batch_requests,
                                     mean_candidates=args.mean_candidates)
-  model = BucketedModel(trainer.model, buckets, args.build)
+  model = BucketedModel(ranker, buckets, args.build)
   print(f"compiled {len(buckets)} buckets: {buckets}")
   batching = BatchingConfig(args.max_batch_requests, args.batch_timeout_ms)
   uvicorn.run(create_app(model, batching), host=args.host, port=args.port)

@@ -16,16 +16,18 @@ from ikbo_jax.serving.loadgen import run_load
 
 
 def default_buckets(config: RankerConfig, *, max_batch_requests: int = 16,
-                    mean_candidates: float = 8.0) -> list[Bucket]:
-  """Four buckets from a quarter to twice a full batch's expected candidates (multiples of 32)."""
+                    mean_candidates: float = 8.0, count: int = 4) -> list[Bucket]:
+  """`count` (1-4) buckets for full batches, then half, quarter and double (multiples of 32).
+
+  A full batch is `max_batch_requests` requests of `mean_candidates` each.
+  """
+  if not 1 <= count <= 4:
+    raise ValueError(f"count must lie in [1, 4], got {count}")
   full = max_batch_requests * mean_candidates
-  buckets = []
-  for fraction, users in ((0.25, max(max_batch_requests // 4, 1)),
-                          (0.5, max(max_batch_requests // 2, 1)), (1, max_batch_requests),
-                          (2, max_batch_requests)):
-    candidates = int(np.ceil(full * fraction / 32) * 32)
-    buckets.append(Bucket(candidates, users, config.max_history))
-  return sorted(set(buckets))
+  shapes = ((1, max_batch_requests), (0.5, max(max_batch_requests // 2, 1)),
+            (0.25, max(max_batch_requests // 4, 1)), (2, max_batch_requests))[:count]
+  return sorted({Bucket(int(np.ceil(full * fraction / 32) * 32), users, config.max_history)
+                 for fraction, users in shapes})
 
 
 async def _serve_load(model: BucketedModel, requests, batching, qps, max_seconds) -> dict:

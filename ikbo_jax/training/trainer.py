@@ -213,6 +213,13 @@ class Trainer:
                                  options=ocp.CheckpointManagerOptions(max_to_keep=3))
 
 
+def load_ranker(model_config: RankerConfig, directory: str | os.PathLike) -> Ranker:
+  """The model of the latest checkpoint a `Trainer` wrote under `directory` (for serving)."""
+  trainer = Trainer(model_config, TrainConfig(), source=lambda i: None)
+  trainer.restore(directory)
+  return trainer.model
+
+
 def _fitting_prefix(requests: list[Request], num_candidates: int) -> int:
   total = np.cumsum([r.num_candidates for r in requests])
   fit = int(np.searchsorted(total, num_candidates, side="right"))
