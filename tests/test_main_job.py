@@ -4,10 +4,10 @@ from ikbo_jax import __main__ as main_job
 
 
 def test_main_job_trains_and_serves_both_builds(tmp_path):
-  report = main_job.main(["--steps", "40", "--requests", "40", "--qps", "200",
+  report = main_job.main(["--steps", "30", "--requests", "30", "--qps", "200",
                           "--out", str(tmp_path / "report.json")])
   assert report["auc_after"] > report["auc_before"]
   assert report["build_difference"] < 1e-4
   for build in ("ikbo", "standard"):
     stats = report["serving"][build]
-    assert stats["requests"] == 40 and stats["errors"] == 0 and stats["p99_ms"] > 0
+    assert stats["requests"] == 30 and stats["errors"] == 0 and stats["p99_ms"] > 0

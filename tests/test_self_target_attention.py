@@ -55,7 +55,7 @@ def test_reference_matches_dot_product_attention(causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("t", [16, 64, 24])
+@pytest.mark.parametrize("t", [16, 24])
 def test_interpret_forward(causal, t):
   # 9 candidates of 4 users (one without candidates, odd counts, unsorted);
   # S = 200 is not a multiple of the 128-row tile; lengths S, 1, 0 and 131.

@@ -34,7 +34,7 @@ def _check_forward(args, index, kv_len, **kwargs):
   np.testing.assert_array_equal(np.asarray(out)[np.asarray(kv_len)[ids] == 0], 0)
 
 
-@pytest.mark.parametrize("t", [16, 32, 64, 128, 24])
+@pytest.mark.parametrize("t", [16, 128, 24])
 def test_interpret_forward_packs_any_n_seed(t):
   # 9 candidates of 4 users (one without candidates, odd counts, unsorted);
   # S = 200 is not a multiple of the 128-key block; lengths 0, 1 and S.
@@ -137,7 +137,7 @@ def test_gpu_forward_and_gradients_at_benchmark_heads(t):
     np.testing.assert_array_equal(g, again)
 
 
-@pytest.mark.parametrize("t", [32, 128])
+@pytest.mark.parametrize("t", [128])
 def test_interpret_persistent_equals_one_cta_per_item(t):
   """Two simulated SMs each running many (tile, head) items equal one CTA per item
   (this also checks that each item computes with its own queries, loaded one item ahead)."""

@@ -5,7 +5,8 @@ once per user, at batch U, and the interaction layers (`ikbo_jax.nn`) read it
 by index. `Ranker.standard` is the way ranking models are usually written:
 the user inputs are copied to the candidate batch with `x[cand_to_user]`
 first and every layer runs at batch B, on plain Flax layers and
-`jax.nn.dot_product_attention`. Both read the same parameters, so they give
+`jax.nn.dot_product_attention` (through `ikbo_jax.rewrite.attention`, the hook
+by which `ikbo_jax.rewrite` can turn this build into the IKBO one). Both read the same parameters, so they give
 the same scores and the same gradients; only the cost differs.
 
 The model: item-id embeddings for the behaviour history and the candidates,
@@ -25,6 +26,7 @@ from flax import nnx
 from ikbo_jax.models.batch import RankingBatch
 from ikbo_jax.models.config import RankerConfig
 from ikbo_jax.nn import LinearCompression, UserSequenceBlock
+from ikbo_jax.rewrite.marker import attention as marked_attention
 
 
 class Ranker(nnx.Module):
@@ -129,13 +131,12 @@ def _attention(q, k, v, length, *, causal: bool):
 
   On a GPU, in 16 bits, it runs on cuDNN's fused attention where cuDNN takes the
   shapes (even lengths, head size a multiple of 8 up to 256): the strongest
-  attention the standard build can call. Elsewhere XLA's.
+  attention the standard build can call. Elsewhere XLA's. It goes through
+  `ikbo_jax.rewrite.attention`, which computes exactly that and lets the
+  automatic rewrite recognize it.
   """
   head_dim, lengths = q.shape[-1], (q.shape[1], k.shape[1])
   cudnn = (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
            and head_dim % 8 == 0 and head_dim <= 256 and all(n % 2 == 0 for n in lengths))
-  out = jax.nn.dot_product_attention(
-      q, k, v, is_causal=causal, implementation="cudnn" if cudnn else "xla",
-      query_seq_lengths=jnp.full(length.shape, q.shape[1], jnp.int32),
-      key_value_seq_lengths=jnp.maximum(length, 1))
-  return jnp.where((length > 0)[:, None, None, None], out, 0).astype(q.dtype)
+  return marked_attention(q, k, v, length, causal=causal,
+                          implementation="cudnn" if cudnn else "xla").astype(q.dtype)
