@@ -5,6 +5,7 @@
 # "lc attention self_target tests demo diagnostics"; also "sweep" (the randomized correctness
 # sweep and the regression tests, failures in full), "soak" (tools/soak.py for SOAK_MINUTES),
 # "system" (the ranking system benchmark and the main job at the benchmark preset),
+# "rewrite" (original vs rewritten vs hand-written IKBO code),
 # "attention_tests" (the attention GPU tests only), "attention_diagnostics" and "attention_ncu" (Nsight Compute). DIAG_ARGS go to the attention diagnostics. BENCH_ARGS=--no-sweeps shortens the lc step.
 set -uo pipefail
 OUT=${OUT:-/tmp/ikbo_out}; mkdir -p "$OUT"
@@ -77,6 +78,10 @@ if has system; then
     | cut -c1-400 | tail -n 30
   timeout 240 python3 -m ikbo_jax --preset benchmark --steps 30 --requests 300 --qps 50 \
     --out "$OUT/main_job_h200.json" 2>&1 | grep -v "Warning\|it/s\|step/s" | tail -n 8
+fi
+if has rewrite; then
+  timeout 300 python3 -m benchmarks.rewrite --out "$OUT/rewrite_h200.json" 2>&1 \
+    | grep -v Warning | cut -c1-400 | tail -n 8
 fi
 if has attention_tests; then
   timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -q -p no:cacheprovider -m gpu -rA \

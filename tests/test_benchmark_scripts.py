@@ -39,3 +39,14 @@ def test_ranking_system_benchmark_small(tmp_path):
   serving = result["serving"]
   assert serving["ikbo"]["ladder"] and serving["standard"]["ladder"]
   assert all(s["errors"] == 0 for s in serving["ikbo"]["ladder"])
+
+
+def test_rewrite_benchmark_small(tmp_path):
+  out = tmp_path / "rw.json"
+  subprocess.run([sys.executable, "-m", "benchmarks.rewrite", "--small", "--iterations", "2",
+                  "--out", str(out)], cwd=ROOT, check=True)
+  cases = json.loads(out.read_text())["cases"]
+  assert set(cases) == {"lce", "target_attention", "dlrm", "ranker"}
+  for row in cases.values():
+    assert row["original"]["ms"] > 0 and row["rewritten"]["ms"] > 0 and row["ikbo"]["ms"] > 0
+    assert "materialized" not in row["changes"], row["changes"]

@@ -203,11 +203,12 @@ def test_the_reference_models_standard_build():
 
   args = (state, batch.user_dense, batch.history, batch.history_len, batch.cand_to_user,
           batch.cand_items, batch.cand_dense)
-  fast = rewrite.rewrite(standard, mapping_argnum=4, user_argnums=(1, 2, 3))
+  where = dict(mapping_argnum=4, user_argnums=(1, 2, 3), candidate_argnums=(5, 6))
+  fast = rewrite.rewrite(standard, **where)
   mask = np.asarray(batch.candidate_mask())
   np.testing.assert_allclose(np.asarray(jax.jit(fast)(*args))[mask],
                              np.asarray(standard(*args))[mask], rtol=1e-4, atol=1e-4)
-  report = rewrite.explain(standard, *args, mapping_argnum=4, user_argnums=(1, 2, 3))
+  report = rewrite.explain(standard, *args, **where)
   assert report.count("linear_compression") == 1, str(report)
   assert report.count("target_attention") == 1 and not report.count("materialized"), str(report)
 

@@ -43,6 +43,7 @@ __all__ = ["Change", "Report", "attention", "explain", "rewrite"]
 
 
 def rewrite(fn: Callable, *, mapping_argnum: int, user_argnums: Sequence[int] = (),
+            candidate_argnums: Sequence[int] | None = None,
             report: Report | None = None) -> Callable:
   """`fn` with broadcasts of user rows by the mapping argument pushed into IKBO form.
 
@@ -50,9 +51,11 @@ def rewrite(fn: Callable, *, mapping_argnum: int, user_argnums: Sequence[int] = 
     fn: a function of arrays (and pytrees of arrays) to rewrite.
     mapping_argnum: the position of `cand_to_user`, an `int[B]` array with ids in
       `[0, U)` (out-of-range ids are clamped, as the IKBO ops do).
-    user_argnums: the positions of per-user inputs (leading axis U). Other
-      array leaves whose leading axis is `B` are taken as candidate inputs; the
-      rest (weights) as batch-free.
+    user_argnums: the positions of per-user inputs (leading axis U).
+    candidate_argnums: the positions of per-candidate inputs (leading axis B);
+      every other argument is batch-free (weights). Without it, any other array
+      leaf whose leading axis has size B counts as a candidate input, which is
+      safe but may keep a weight of that size from moving to batch U.
     report: if given, each trace appends its changes to it.
 
   Returns:
@@ -80,8 +83,11 @@ def rewrite(fn: Callable, *, mapping_argnum: int, user_argnums: Sequence[int] = 
         if i == mapping_argnum:
           interpreted.append(Mapping(jax.numpy.asarray(leaf), (num_candidates,)))
         else:
-          candidate = (i not in user_argnums and np.ndim(leaf) > 0
-                       and np.shape(leaf)[0] == num_candidates)
+          if candidate_argnums is not None:
+            candidate = i in candidate_argnums
+          else:
+            candidate = (i not in user_argnums and np.ndim(leaf) > 0
+                         and np.shape(leaf)[0] == num_candidates)
           interpreted.append(Plain(leaf, candidate))
     rewriter = Rewriter(report if report is not None else Report())
     outs = rewriter.eval_jaxpr(closed.jaxpr, closed.consts, interpreted)
@@ -90,9 +96,10 @@ def rewrite(fn: Callable, *, mapping_argnum: int, user_argnums: Sequence[int] = 
   return rewritten
 
 
-def explain(fn: Callable, *args, mapping_argnum: int, user_argnums: Sequence[int] = ()) -> Report:
+def explain(fn: Callable, *args, mapping_argnum: int, user_argnums: Sequence[int] = (),
+            candidate_argnums: Sequence[int] | None = None) -> Report:
   """What `rewrite` changes in `fn` for arguments like `args` (traced abstractly, not run)."""
   report = Report()
   jax.make_jaxpr(rewrite(fn, mapping_argnum=mapping_argnum, user_argnums=user_argnums,
-                         report=report))(*args)
+                         candidate_argnums=candidate_argnums, report=report))(*args)
   return report

@@ -11,10 +11,12 @@ from jax._src import source_info_util
 class Change:
   """One decision of the rewrite.
 
-  `kind` is one of: "broadcast" (a gather by the mapping, kept lazy),
+  `kind` is one of: "broadcast" (a gather by the mapping, kept lazy; its copy's
+  bytes count as saved),
   "at_users" (an op run at batch U instead of B), "linear_compression",
   "split_dense" (a dense layer on a concat, user half at U), "target_attention",
-  "materialized" (a broadcast made real because a consumer needs it).
+  "materialized" (a broadcast made real because a consumer needs it; its bytes
+  count against).
   """
 
   kind: str

@@ -311,7 +311,6 @@ def split_dense(rw, eqn, lhs, rhs):
   e_cand = concat([_array(stack.parts[i]) for i in cand_idx], stack.dimension)
   w_cand = concat([w_slice(i) for i in cand_idx], w_axis)
   out_aval = eqn.outvars[0].aval
-  saved = _copy_bytes(e_user, stack.ids.shape[0])
   if (np.ndim(e_cand) == 3 and stack.dimension == 1 and np.ndim(weight.value) == 2
       and s_contract == (1,)):
     as_mk = (lambda w: w) if w_axis == 1 else (lambda w: w.T)
@@ -320,7 +319,7 @@ def split_dense(rw, eqn, lhs, rhs):
                              e_user.astype(dtype), e_cand,
                              CandidateIndex.from_mapping(stack.ids, rw.num_users))  # [B, M, N]
     out = jnp.transpose(out, (0, 2, 1) if stack_is_lhs else (1, 0, 2))
-    rw.report.add("linear_compression", eqn, bytes_saved=saved)
+    rw.report.add("linear_compression", eqn)
     return [Plain(out.astype(out_aval.dtype), True)]
   bind = lambda s, w: eqn.primitive.bind(*((s, w) if stack_is_lhs else (w, s)), **eqn.params)
   user_part = bind(e_user, w_user)  # at U: its rows are users
@@ -328,7 +327,7 @@ def split_dense(rw, eqn, lhs, rhs):
   # after the weight's free axes.
   axis = 0 if stack_is_lhs else np.ndim(weight.value) - len(w_contract)
   out = jnp.take(user_part, stack.ids, axis=axis, mode="clip") + bind(e_cand, w_cand)
-  rw.report.add("split_dense", eqn, bytes_saved=saved)
+  rw.report.add("split_dense", eqn)
   return [Plain(out.astype(out_aval.dtype), True)]
 
 
@@ -338,11 +337,6 @@ def _array(v):
 
 def _nbytes(aval) -> int:
   return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
-
-
-def _copy_bytes(user, num_candidates) -> int:
-  """Bytes of the `[B, ...]` copy of `user` that a materialized broadcast would write."""
-  return math.prod(user.shape[1:]) * num_candidates * np.dtype(user.dtype).itemsize
 
 
 RULES = {name: elementwise for name in ELEMENTWISE}

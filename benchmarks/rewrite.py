@@ -1,0 +1,139 @@
+"""The automatic rewrite against the hand-written IKBO code: original vs rewritten vs IKBO.
+
+    python -m benchmarks.rewrite --out benchmarks/results/rewrite_h200.json
+    python -m benchmarks.rewrite --small --out /tmp/rewrite_small.json   # CPU, seconds
+
+For models written the standard way (user rows copied with `x[cand_to_user]`),
+each under `jax.jit`: the original function, `ikbo_jax.rewrite.rewrite` of it,
+and the same model written by hand on the IKBO ops. Reports median times, the
+speedups over the original, the fraction of the hand-written speedup the
+rewrite reaches, and how long the rewrite takes to trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks import common
+from benchmarks.ranking_system import random_batch
+from ikbo_jax import CandidateIndex, linear_compression, rewrite, target_attention
+from ikbo_jax.models import Ranker, RankerConfig, RankingBatch
+
+
+def _normal(seed, shape, dtype):
+  return (jax.random.normal(jax.random.key(seed), shape) / np.sqrt(shape[-1])).astype(dtype)
+
+
+def _mapping(b, u):
+  return jnp.asarray(np.random.default_rng(0).integers(0, u, b), jnp.int32)
+
+
+def lce_case(b, u, m, n, k_user, k_cand, dtype):
+  def original(e_user, ids, e_cand, w):
+    return jnp.einsum("mk,bkn->bmn", w, jnp.concatenate([e_user[ids], e_cand], axis=1))
+
+  def by_hand(e_user, ids, e_cand, w):
+    index = CandidateIndex.from_mapping(ids, u)
+    return linear_compression(w[:, :k_user], w[:, k_user:], e_user, e_cand, index)
+
+  args = (_normal(0, (u, k_user, n), dtype), _mapping(b, u), _normal(1, (b, k_cand, n), dtype),
+          _normal(2, (m, k_user + k_cand), dtype))
+  return original, by_hand, args, dict(mapping_argnum=1, user_argnums=(0,))
+
+
+def attention_case(b, u, s, heads, head_dim, n_seed, dtype):
+  impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+
+  def original(seq_k, seq_v, ids, q, lengths):
+    return rewrite.attention(q, seq_k[ids], seq_v[ids], lengths[ids], implementation=impl)
+
+  def by_hand(seq_k, seq_v, ids, q, lengths):
+    return target_attention(q, seq_k, seq_v, CandidateIndex.from_mapping(ids, u), kv_len=lengths)
+
+  shape = (u, s, heads, head_dim)
+  lengths = jnp.asarray(np.random.default_rng(1).integers(s // 2, s + 1, u), jnp.int32)
+  args = (_normal(0, shape, dtype), _normal(1, shape, dtype), _mapping(b, u),
+          _normal(2, (b, n_seed, heads, head_dim), dtype), lengths)
+  return original, by_hand, args, dict(mapping_argnum=2, user_argnums=(0, 1, 4))
+
+
+def dlrm_case(b, u, f_user, f_cand, hidden, dtype):
+  def original(user, ids, cand, w1, w2):
+    return jax.nn.relu(jnp.concatenate([user[ids], cand], axis=1) @ w1) @ w2
+
+  def by_hand(user, ids, cand, w1, w2):
+    return jax.nn.relu((user @ w1[:f_user])[ids] + cand @ w1[f_user:]) @ w2
+
+  args = (_normal(0, (u, f_user), dtype), _mapping(b, u), _normal(1, (b, f_cand), dtype),
+          _normal(2, (f_user + f_cand, hidden), dtype), _normal(3, (hidden, 1), dtype))
+  return original, by_hand, args, dict(mapping_argnum=1, user_argnums=(0,))
+
+
+def ranker_case(config, b, ratio):
+  model = Ranker(config, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  batch = random_batch(config, max(1, round(b / ratio)), b)
+
+  def as_batch(user_dense, history, history_len, ids, cand_items, cand_dense):
+    return RankingBatch(user_dense, history, history_len, ids, cand_items, cand_dense,
+                        jnp.zeros(ids.shape, jnp.float32))
+
+  original = lambda state, *a: nnx.merge(graphdef, state).standard(as_batch(*a))
+  by_hand = lambda state, *a: nnx.merge(graphdef, state)(as_batch(*a))
+  args = (state, batch.user_dense, batch.history, batch.history_len, batch.cand_to_user,
+          batch.cand_items, batch.cand_dense)
+  return original, by_hand, args, dict(mapping_argnum=4, user_argnums=(1, 2, 3),
+                                       candidate_argnums=(5, 6))
+
+
+def measure(name, case, iterations) -> dict:
+  original, by_hand, args, where = case
+  start = time.perf_counter()
+  report = rewrite.explain(original, *args, **where)
+  trace_s = time.perf_counter() - start
+  fns = dict(original=original, rewritten=rewrite.rewrite(original, **where), ikbo=by_hand)
+  row = dict(trace_seconds=trace_s, changes=str(report).splitlines()[0])
+  for label, fn in fns.items():
+    ms, timer = common.median_ms(jax.jit(fn), *args, iterations=iterations)
+    row[label] = dict(ms=ms, timer=timer)
+  base = row["original"]["ms"]
+  row["speedup_rewritten"] = base / row["rewritten"]["ms"]
+  row["speedup_ikbo"] = base / row["ikbo"]["ms"]
+  row["fraction_of_ikbo_speedup"] = row["speedup_rewritten"] / row["speedup_ikbo"]
+  print(f"{name}: " + ", ".join(f"{k} {row[k]['ms']:.3f} ms" for k in fns)
+        + f"; rewritten {row['speedup_rewritten']:.2f}x, by hand {row['speedup_ikbo']:.2f}x; "
+        f"trace {trace_s:.2f} s; {row['changes']}", flush=True)
+  return row
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--small", action="store_true")
+  parser.add_argument("--iterations", type=int, default=20)
+  parser.add_argument("--out", required=True)
+  args = parser.parse_args()
+  if args.small:
+    dtype, config = jnp.float32, RankerConfig()
+    cases = dict(lce=lce_case(256, 4, 32, 16, 48, 40, dtype),
+                 target_attention=attention_case(128, 4, 64, 2, 16, 4, dtype),
+                 dlrm=dlrm_case(256, 4, 64, 16, 32, dtype),
+                 ranker=ranker_case(config, 128, 16))
+  else:
+    dtype = jnp.bfloat16
+    cases = dict(lce=lce_case(1024, 15, 433, 256, 1178, 866, dtype),
+                 target_attention=attention_case(2048, 32, 1024, 2, 128, 64, dtype),
+                 dlrm=dlrm_case(1024, 15, 2048, 512, 1024, dtype),
+                 ranker=ranker_case(RankerConfig.benchmark(), 1024, 70))
+  results = {name: measure(name, case, args.iterations) for name, case in cases.items()}
+  common.write_json(args.out, dict(**common.metadata(), dtype=jnp.dtype(dtype).name,
+                                   iterations=args.iterations, cases=results))
+
+
+if __name__ == "__main__":
+  main()
