@@ -18,6 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     ("target_attention", "xla_materialized"),
     ("self_target_attention", "fused_xla"),
     ("ranking_system", "sustained QPS ratio"),
+    ("rewrite", "fraction of the hand-written speedup"),
 ])
 def test_notebook_executes_on_small_results(name, expected, tmp_path):
   results = tmp_path / "small.json"

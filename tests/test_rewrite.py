@@ -219,3 +219,12 @@ def test_bad_arguments_are_named():
   fast = rewrite.rewrite(lambda a, ids: a, mapping_argnum=1)
   with pytest.raises(TypeError, match=r"must be an int\[B\] array, got float32"):
     fast(jnp.ones(3), jnp.ones(3))
+
+
+def test_a_select_on_the_mapping_is_not_mistaken_for_index_normalization():
+  def model(user, ids, cand):
+    other = jnp.where(ids % 2 == 0, ids, ids + 1)  # not the mapping: ids + 1 for odd ids
+    return user[jnp.clip(other, 0, U - 1)] * cand
+  args = (_normal(0, U, 4), IDS, _normal(1, B, 4))
+  report = _check(model, args, user_argnums=(0,), expect=[])
+  assert report.count("broadcast") == 0

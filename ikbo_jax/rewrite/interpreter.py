@@ -18,10 +18,10 @@ from jax.extend import core as jex_core
 
 from ikbo_jax.rewrite import marker, rules
 from ikbo_jax.rewrite.report import Report
-from ikbo_jax.rewrite.values import (Broadcast, Concat, Mapping, Plain, RowConstant, Shifted,
-                                     materialize)
+from ikbo_jax.rewrite.values import (Broadcast, Concat, Mapping, Negative, Plain, RowConstant,
+                                     Shifted, at_b, materialize)
 
-_LAZY = (Broadcast, Concat, Mapping, Shifted, RowConstant)
+_LAZY = (Broadcast, Concat, Mapping, Negative, Shifted, RowConstant)
 _MAKERS = ("broadcast_in_dim", "iota")
 
 
@@ -70,7 +70,7 @@ class Rewriter:
       return self.eval_jaxpr(closed.jaxpr, closed.consts, operands)
     rule = rules.RULES.get(name)
     outs = rule(self, eqn, operands) if rule else None
-    if outs is None and any(isinstance(v, (Mapping, Shifted)) for v in operands):
+    if outs is None and any(isinstance(v, (Mapping, Negative, Shifted)) for v in operands):
       outs = rules.mapping_ops(self, eqn, operands)
     return outs
 
@@ -82,8 +82,8 @@ class Rewriter:
     arrays = [materialize(v) for v in operands]
     outs = eqn.primitive.bind(*arrays, **eqn.primitive.get_bind_params(eqn.params))
     outs = outs if eqn.primitive.multiple_results else [outs]
-    at_b = any(rules_at_b(v) for v in operands)
-    return [Plain(o, at_b) for o in outs]
+    candidate = any(at_b(v) for v in operands)
+    return [Plain(o, candidate) for o in outs]
 
   def moved(self, eqn, out, like: Broadcast) -> None:
     """Records that `eqn` ran at batch U (with the FLOPs it saved, for products)."""
@@ -93,12 +93,6 @@ class Rewriter:
       contracted = math.prod(eqn.invars[0].aval.shape[d] for d in lc)
       flops = 2 * contracted * (math.prod(eqn.outvars[0].aval.shape) - math.prod(out.shape))
     self.report.add("at_users", eqn, flops_saved=flops)
-
-
-def rules_at_b(v) -> bool:
-  if isinstance(v, Plain):
-    return v.at_b
-  return not isinstance(v, RowConstant)
 
 
 def _bytes(v) -> int:

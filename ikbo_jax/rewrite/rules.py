@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ikbo_jax.rewrite.values import Broadcast, Concat, Mapping, Plain, RowConstant, Shifted
+from ikbo_jax.rewrite.values import (Broadcast, Concat, Mapping, Negative, Plain, RowConstant,
+                                     Shifted)
 
 ELEMENTWISE = frozenset("""
 abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type cos cosh
@@ -105,10 +106,15 @@ def mapping_ops(rw, eqn, operands):
   name, first = eqn.primitive.name, operands[0]
   if name == "add" and isinstance(first, Mapping) and _scalar(operands[1]):
     return [Shifted(first.ids, operands[1].value, first.shape)]
+  if (name == "lt" and isinstance(first, Mapping) and _scalar(operands[1])
+      and not isinstance(operands[1].value, jax.core.Tracer) and operands[1].value == 0):
+    return [Negative(first.ids, first.shape)]
+  # `where(ids < 0, ids + c, ids)` is `ids` for valid (non-negative) ids.
   if name == "select_n" and len(operands) == 3:
-    kinds = {type(operands[1]), type(operands[2])}
-    if kinds == {Mapping, Shifted} and operands[1].shape == operands[2].shape:
-      return [Mapping(operands[1].ids, operands[1].shape)]
+    pred, on_false, on_true = operands
+    if (isinstance(pred, Negative) and isinstance(on_false, Mapping)
+        and isinstance(on_true, Shifted) and on_false.shape == on_true.shape == pred.shape):
+      return [on_false]
   # Clamping to the valid range keeps a valid mapping what it is (`jnp.clip`, `mode="clip"`).
   if name == "clamp" and isinstance(operands[1], Mapping) and _scalar(operands[0]) and _scalar(
       operands[2]):

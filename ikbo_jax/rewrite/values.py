@@ -8,7 +8,8 @@ Every jaxpr variable is interpreted as one of:
 * `Mapping`: the declared `cand_to_user` (possibly normalized the way indexing
   normalizes negative ids, reshaped to `[B, 1]` or converted): a gather by it
   is a broadcast of user rows.
-* `Shifted`: `mapping + c`, the other branch of that normalization.
+* `Shifted`, `Negative`: `mapping + c` and `mapping < 0`, the other branch
+  and the predicate of that normalization.
 * `Broadcast`: a value at B that is `take(user, mapping, axis)`: its rows are
   user rows, never materialized unless a consumer needs them.
 * `RowConstant`: a batch-free value constant along some axes (a bias
@@ -48,6 +49,14 @@ class Shifted:
 
   ids: jax.Array
   offset: jax.Array
+  shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Negative:
+  """`mapping < 0`: the predicate of negative-id wrapping (all false for valid ids)."""
+
+  ids: jax.Array
   shape: tuple[int, ...]
 
 
@@ -115,6 +124,8 @@ def materialize(v) -> jax.Array:
     return v.ids.reshape(v.shape)
   if isinstance(v, Shifted):
     return (v.ids + v.offset).reshape(v.shape)
+  if isinstance(v, Negative):
+    return (v.ids < 0).reshape(v.shape)
   return v.materialize()
 
 
