@@ -5,5 +5,5 @@ from ikbo_jax.ops.linear_compression import linear_compression
 from ikbo_jax.ops.self_target_attention import self_target_attention
 from ikbo_jax.ops.target_attention import target_attention
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 __all__ = ["CandidateIndex", "linear_compression", "self_target_attention", "target_attention"]
