@@ -228,3 +228,20 @@ def test_a_select_on_the_mapping_is_not_mistaken_for_index_normalization():
   args = (_normal(0, U, 4), IDS, _normal(1, B, 4))
   report = _check(model, args, user_argnums=(0,), expect=[])
   assert report.count("broadcast") == 0
+
+
+def test_nnx_multi_head_attention_through_the_attention_fn_hook():
+  make = lambda fn: nnx.MultiHeadAttention(num_heads=2, in_features=8, decode=False,
+                                           attention_fn=fn, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(make(rewrite.flax_attention_fn))
+  plain = nnx.merge(*nnx.split(make(nnx.dot_product_attention)))
+  fn = lambda seq, ids, cand, state: nnx.merge(graphdef, state)(cand, seq[ids])  # DIN: candidates query
+  args = (_normal(0, U, 12, 8), IDS, _normal(1, B, 3, 8), state)
+  np.testing.assert_allclose(fn(*args), plain(args[2], args[0][IDS]), rtol=1e-4, atol=1e-5)
+  fast = rewrite.rewrite(fn, mapping_argnum=1, user_argnums=(0,), candidate_argnums=(2,))
+  np.testing.assert_allclose(fast(*args), fn(*args), rtol=1e-4, atol=1e-5)
+  grad = lambda f: jax.grad(lambda s: jnp.sum(f(*args[:3], s) ** 2))(state)
+  for g, w in zip(jax.tree.leaves(grad(fast)), jax.tree.leaves(grad(fn))):
+    np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-4)
+  report = rewrite.explain(fn, *args, mapping_argnum=1, user_argnums=(0,), candidate_argnums=(2,))
+  assert report.count("target_attention") == 1 and not report.count("materialized"), str(report)

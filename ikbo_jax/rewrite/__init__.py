@@ -34,12 +34,12 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from ikbo_jax.rewrite.marker import attention
+from ikbo_jax.rewrite.marker import attention, flax_attention_fn
 from ikbo_jax.rewrite.interpreter import Rewriter
 from ikbo_jax.rewrite.report import Change, Report
 from ikbo_jax.rewrite.values import Mapping, Plain, materialize
 
-__all__ = ["Change", "Report", "attention", "explain", "rewrite"]
+__all__ = ["Change", "Report", "attention", "explain", "flax_attention_fn", "rewrite"]
 
 
 def rewrite(fn: Callable, *, mapping_argnum: int, user_argnums: Sequence[int] = (),

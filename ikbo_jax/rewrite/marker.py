@@ -60,6 +60,31 @@ def _marked(causal: bool, scale: float | None, implementation: str | None):
   return jax.jit(impl)
 
 
+def flax_attention_fn(query, key, value, bias=None, mask=None, *, dropout_rate: float = 0.0,
+                      deterministic: bool = True, is_causal: bool = False, module=None,
+                      dtype=None, **kwargs):
+  """An `attention_fn` for `nnx.MultiHeadAttention` that the rewrite recognizes.
+
+  Without bias, mask, dropout or sown weights it is `attention(query, key,
+  value, causal=is_causal)`; with any of them it is `nnx.dot_product_attention`
+  unchanged (and runs as written).
+
+  >>> from flax import nnx
+  >>> from ikbo_jax import rewrite
+  >>> mha = nnx.MultiHeadAttention(num_heads=2, in_features=8, decode=False,
+  ...                              attention_fn=rewrite.flax_attention_fn, rngs=nnx.Rngs(0))
+  """
+  from flax import nnx
+
+  plain = (bias is None and mask is None and module is None and query.ndim == 4
+           and (deterministic or dropout_rate == 0.0))
+  if plain:
+    return attention(query, key, value, causal=is_causal).astype(dtype or query.dtype)
+  return nnx.dot_product_attention(query, key, value, bias, mask, dropout_rate=dropout_rate,
+                                   deterministic=deterministic, is_causal=is_causal,
+                                   module=module, dtype=dtype, **kwargs)
+
+
 def is_marker(eqn) -> bool:
   return str(eqn.params.get("name", "")).startswith(_PREFIX)
 
