@@ -54,8 +54,7 @@ def test_reference_matches_dot_product_attention(causal):
                                                         implementation="xla"), atol=1e-6)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("t", [16, 24])
+@pytest.mark.parametrize("causal, t", [(False, 16), (True, 24)])
 def test_interpret_forward(causal, t):
   # 9 candidates of 4 users (one without candidates, odd counts, unsorted);
   # S = 200 is not a multiple of the 128-row tile; lengths S, 1, 0 and 131.

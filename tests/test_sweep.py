@@ -66,7 +66,7 @@ def test_draws_cover_the_promised_space():
 
 
 @pytest.mark.parametrize("op", sweep.OPS)
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0])
 def test_cpu_sweep_of_the_xla_implementations(op, seed):
   results = sweep.run_case(sweep.draw_case(op, seed, size=0.002))
   assert results
