@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -32,7 +31,7 @@ from ikbo_jax.models import Ranker, RankerConfig, RankingBatch
 from ikbo_jax.serving import Batcher, BatchingConfig, BucketedModel
 from ikbo_jax.serving.loadgen import run_load
 from ikbo_jax.serving.runtime import default_buckets
-from ikbo_jax.training.trainer import masked_loss
+from ikbo_jax.training import trainer
 
 BUILDS = ("ikbo", "standard")
 
@@ -54,17 +53,6 @@ def random_batch(config: RankerConfig, num_users: int, num_candidates: int,
 
 def _forward(build):
   return nnx.jit(lambda model, batch: model(batch) if build == "ikbo" else model.standard(batch))
-
-
-def _train_step(build):
-  @nnx.jit
-  def step(model, optimizer, batch):
-    def loss(m):
-      return masked_loss(m(batch) if build == "ikbo" else m.standard(batch), batch)
-    value, grads = nnx.value_and_grad(loss)(model)
-    optimizer.update(model, grads)
-    return value
-  return step
 
 
 def inference(model, config, sizes, ratios, iterations) -> dict:
@@ -92,8 +80,8 @@ def training(config, b, ratio, iterations) -> dict:
   for build in BUILDS:
     model = Ranker(config, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
-    ms, timer = common.median_ms(_train_step(build), model, optimizer, batch,
-                                 iterations=iterations)
+    step = functools.partial(trainer._train_step, build=build)
+    ms, timer = common.median_ms(step, model, optimizer, batch, iterations=iterations)
     row[build] = dict(ms=ms, timer=timer)
   row["speedup"] = row["standard"]["ms"] / row["ikbo"]["ms"]
   print(f"training: {row}", flush=True)

@@ -132,10 +132,14 @@ class Trainer:
 
   def step(self) -> float:
     """One optimizer step; returns its loss."""
-    batch, _ = self.next_batch()
+    return float(self._step()[0])
+
+  def _step(self) -> tuple[jax.Array, int]:
+    """One optimizer step, not waited for: its loss and how many candidates it took."""
+    batch, count = self.next_batch()
     loss = _train_step(self.model, self.optimizer, batch, self.train_config.build)
     self.step_count += 1
-    return float(loss)
+    return loss, count
 
   def fit(self, steps: int, *, progress: bool = True, log_every: int = 10) -> list[float]:
     """`steps` steps under a progress bar (loss, candidates/s); returns the losses."""
@@ -146,9 +150,8 @@ class Trainer:
                unit="step")
     start, seen = None, 0
     for _ in bar:
-      batch, count = self.next_batch()
-      losses.append(_train_step(self.model, self.optimizer, batch, self.train_config.build))
-      self.step_count += 1
+      loss, count = self._step()
+      losses.append(loss)
       if start is None:  # the rate starts after the first step, which compiles
         jax.block_until_ready(losses[-1])
         start = time.perf_counter()
