@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
-
+import jax
 import numpy as np
 import optax
 from flax import nnx
@@ -59,7 +58,7 @@ def inference(model, config, sizes, ratios, iterations) -> dict:
   rows = {}
   for b in sizes:
     for ratio in ratios:
-      batch = random_batch(config, max(1, round(b / ratio)), b)
+      batch = jax.device_put(random_batch(config, max(1, round(b / ratio)), b))
       row = {}
       for build in BUILDS:
         try:
@@ -74,14 +73,28 @@ def inference(model, config, sizes, ratios, iterations) -> dict:
   return rows
 
 
+def _functional_step(graphdef, build):
+  """The trainer's step as a function of the state that returns the updated state.
+
+  The timer jits what it measures; a step that returned only its loss would let
+  XLA drop the backward pass and the update, whose results nothing would read.
+  """
+  def step(state, batch):
+    model, optimizer = nnx.merge(graphdef, state)
+    loss = trainer._train_step(model, optimizer, batch, build)
+    return loss, nnx.state((model, optimizer))
+  return step
+
+
 def training(config, b, ratio, iterations) -> dict:
-  batch = random_batch(config, max(1, round(b / ratio)), b, seed=1)
+  batch = jax.device_put(random_batch(config, max(1, round(b / ratio)), b, seed=1))
   row = dict(num_candidates=b, num_users=batch.num_users)
   for build in BUILDS:
     model = Ranker(config, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
-    step = functools.partial(trainer._train_step, build=build)
-    ms, timer = common.median_ms(step, model, optimizer, batch, iterations=iterations)
+    graphdef, state = nnx.split((model, optimizer))
+    step = _functional_step(graphdef, build)
+    ms, timer = common.median_ms(step, state, batch, iterations=iterations)
     row[build] = dict(ms=ms, timer=timer)
   row["speedup"] = row["standard"]["ms"] / row["ikbo"]["ms"]
   print(f"training: {row}", flush=True)
@@ -95,10 +108,13 @@ async def _load(served, requests, rate, max_seconds):
 
 
 def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
-            num_buckets) -> dict:
+            seconds_per_rate, num_buckets) -> dict:
   gen = ClickGenerator(config, seed=3, mean_candidates=mean_candidates,
                        max_candidates=int(4 * mean_candidates))
-  requests = gen.requests(requests_per_rate, start=3 * 10**9)
+  # Each rate sends at least `requests_per_rate` requests and at least `seconds_per_rate`
+  # of traffic, so that a high rate's p99 rests on as many samples as a low rate's.
+  count = lambda rate: max(requests_per_rate, int(rate * seconds_per_rate))
+  requests = gen.requests(count(max(rates)), start=3 * 10**9)
   buckets = default_buckets(config, mean_candidates=mean_candidates, count=num_buckets)
   out = dict(budget_p99_ms=budget_ms, mean_candidates=mean_candidates,
              buckets=[(b.num_candidates, b.num_users, b.history_slots) for b in buckets])
@@ -106,7 +122,7 @@ def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
     served = BucketedModel(model, buckets, build)
     ladder, sustained = [], 0.0
     for rate in rates:
-      stats = asyncio.run(_load(served, requests, rate, max_seconds=30.0))
+      stats = asyncio.run(_load(served, requests[:count(rate)], rate, max_seconds=30.0))
       ladder.append(stats)
       print(f"serving {build} at {rate}/s: p99 {stats['p99_ms']:.1f} ms, "
             f"answered {stats['achieved_qps']:.0f}/s", flush=True)
@@ -124,6 +140,7 @@ def main() -> None:
   parser.add_argument("--iterations", type=int, default=20)
   parser.add_argument("--budget-ms", type=float, help="p99 budget (default 20, --small 100)")
   parser.add_argument("--requests-per-rate", type=int, default=400)
+  parser.add_argument("--seconds-per-rate", type=float, default=2.0)
   parser.add_argument("--sizes", type=int, nargs="*", help="candidate counts B")
   parser.add_argument("--ratios", type=int, nargs="*", help="candidates per user")
   parser.add_argument("--rates", type=float, nargs="*", help="serving rates to climb")
@@ -135,7 +152,7 @@ def main() -> None:
     rates, mean = (50, 100, 200, 400, 800), 8.0
   else:
     config, sizes, ratios, train_at = RankerConfig.benchmark(), (256, 1024, 4096), (10, 70, 500), (1024, 70)
-    rates, mean = (25, 50, 100, 200, 400, 800, 1600), 70.0
+    rates, mean = (25, 50, 100, 200, 300, 400, 600, 800, 1200, 1600, 2400, 3200, 4800), 70.0
   sizes, ratios, rates = args.sizes or sizes, args.ratios or ratios, args.rates or rates
   budget_ms = args.budget_ms or (100.0 if args.small else 20.0)
   model = Ranker(config, rngs=nnx.Rngs(0))
@@ -143,7 +160,7 @@ def main() -> None:
                  inference=inference(model, config, sizes, ratios, args.iterations),
                  training=training(config, *train_at, args.iterations),
                  serving=serving(model, config, mean, rates, budget_ms,
-                                 args.requests_per_rate, args.buckets))
+                                 args.requests_per_rate, args.seconds_per_rate, args.buckets))
   common.write_json(args.out, payload)
 
 
