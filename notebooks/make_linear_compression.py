@@ -1,5 +1,7 @@
 """Builds notebooks/linear_compression.ipynb (run it, then execute the notebook)."""
 
+import pathlib
+
 import nbformat as nbf
 
 cells = [
@@ -10,8 +12,6 @@ cells = [
         "on CPU against a small result file it makes itself."),
     nbf.v4.new_code_cell(
         "import json, os\n"
-        "import matplotlib\n"
-        "matplotlib.use('Agg')\n"
         "import matplotlib.pyplot as plt\n"
         "path = os.environ.get('IKBO_RESULTS', '../benchmarks/results/linear_compression_h200.json')\n"
         "res = json.load(open(path))\n"
@@ -61,4 +61,4 @@ cells = [
 ]
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {
     "name": "python3", "display_name": "Python 3", "language": "python"}})
-nbf.write(nb, "notebooks/linear_compression.ipynb")
+nbf.write(nb, pathlib.Path(__file__).with_name("linear_compression.ipynb"))

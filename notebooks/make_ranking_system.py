@@ -1,5 +1,7 @@
 """Builds notebooks/ranking_system.ipynb (run it, then execute the notebook)."""
 
+import pathlib
+
 import nbformat as nbf
 
 cells = [
@@ -12,8 +14,6 @@ cells = [
         "small result file it makes itself."),
     nbf.v4.new_code_cell(
         "import json, os\n"
-        "import matplotlib\n"
-        "matplotlib.use('Agg')\n"
         "import matplotlib.pyplot as plt\n"
         "path = os.environ.get('IKBO_RESULTS', '../benchmarks/results/ranking_system_h200.json')\n"
         "res = json.load(open(path))\n"
@@ -62,4 +62,4 @@ cells = [
 ]
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {
     "name": "python3", "display_name": "Python 3", "language": "python"}})
-nbf.write(nb, "ranking_system.ipynb")
+nbf.write(nb, pathlib.Path(__file__).with_name("ranking_system.ipynb"))

@@ -1,5 +1,7 @@
 """Builds notebooks/rewrite.ipynb (run it, then execute the notebook)."""
 
+import pathlib
+
 import nbformat as nbf
 
 cells = [
@@ -12,8 +14,6 @@ cells = [
     nbf.v4.new_code_cell(
         "import json, os\n"
         "import jax, jax.numpy as jnp\n"
-        "import matplotlib\n"
-        "matplotlib.use('Agg')\n"
         "import matplotlib.pyplot as plt\n"
         "from ikbo_jax import rewrite\n\n"
         "def model(user, cand_to_user, cand, w1, w2):\n"
@@ -26,12 +26,12 @@ cells = [
         "where = dict(mapping_argnum=1, user_argnums=(0,))"),
     nbf.v4.new_markdown_cell("## Before: the copy `[1024, 512]` of 15 users' features, then the "
                              "dense layer at batch B"),
-    nbf.v4.new_code_cell("print(jax.make_jaxpr(model)(*args))"),
+    nbf.v4.new_code_cell("print(jax.make_jaxpr(model)(*args).pretty_print(use_color=False))"),
     nbf.v4.new_markdown_cell("## After: the user half of the dense layer at batch U, its "
                              "`[15, 256]` result added by index"),
     nbf.v4.new_code_cell(
         "fast = rewrite.rewrite(model, **where)\n"
-        "print(jax.make_jaxpr(fast)(*args))\n"
+        "print(jax.make_jaxpr(fast)(*args).pretty_print(use_color=False))\n"
         "print(rewrite.explain(model, *args, **where))\n"
         "print('max difference', float(jnp.max(jnp.abs(fast(*args) - model(*args)))))"),
     nbf.v4.new_markdown_cell("## Measured: original vs rewritten vs hand-written IKBO"),
@@ -59,4 +59,4 @@ cells = [
 ]
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {
     "name": "python3", "display_name": "Python 3", "language": "python"}})
-nbf.write(nb, "rewrite.ipynb")
+nbf.write(nb, pathlib.Path(__file__).with_name("rewrite.ipynb"))

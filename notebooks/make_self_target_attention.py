@@ -1,5 +1,7 @@
 """Builds notebooks/self_target_attention.ipynb (run it, then execute the notebook)."""
 
+import pathlib
+
 import nbformat as nbf
 
 cells = [
@@ -14,8 +16,6 @@ cells = [
         "against a small result file it makes itself."),
     nbf.v4.new_code_cell(
         "import json, os\n"
-        "import matplotlib\n"
-        "matplotlib.use('Agg')\n"
         "import matplotlib.pyplot as plt\n"
         "path = os.environ.get('IKBO_RESULTS',\n"
         "                      '../benchmarks/results/self_target_attention_h200.json')\n"
@@ -62,4 +62,4 @@ cells = [
 ]
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {
     "name": "python3", "display_name": "Python 3", "language": "python"}})
-nbf.write(nb, "notebooks/self_target_attention.ipynb")
+nbf.write(nb, pathlib.Path(__file__).with_name("self_target_attention.ipynb"))

@@ -1,5 +1,7 @@
 """Builds notebooks/target_attention.ipynb (run it, then execute the notebook)."""
 
+import pathlib
+
 import nbformat as nbf
 
 cells = [
@@ -11,8 +13,6 @@ cells = [
         "it makes itself."),
     nbf.v4.new_code_cell(
         "import json, os\n"
-        "import matplotlib\n"
-        "matplotlib.use('Agg')\n"
         "import matplotlib.pyplot as plt\n"
         "path = os.environ.get('IKBO_RESULTS', '../benchmarks/results/target_attention_h200.json')\n"
         "res = json.load(open(path))\n"
@@ -56,4 +56,4 @@ cells = [
 ]
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {
     "name": "python3", "display_name": "Python 3", "language": "python"}})
-nbf.write(nb, "notebooks/target_attention.ipynb")
+nbf.write(nb, pathlib.Path(__file__).with_name("target_attention.ipynb"))

@@ -1,5 +1,7 @@
 """The reference ranking model: the IKBO and the standard build agree, in scores and gradients."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,3 +77,57 @@ def test_config_rejects_bad_sizes():
     RankerConfig(max_history=0)
   with pytest.raises(ValueError, match="dtype"):
     RankerConfig(dtype="int8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_bfloat16_ikbo_build_meets_the_error_rule_on_the_gpu(shuffled):
+  """The IKBO build on the GPU kernels, against the float32 standard build at HIGHEST.
+
+  Its error in the scores and in the loss's gradients is held to the rule's global
+  bound against the same-precision (bfloat16) standard build's error.
+  """
+  from ikbo_jax.testing import error_rule
+
+  sizes = dict(num_items=500, embed_dim=256, num_heads=2, max_history=128, query_tokens=16,
+               user_dense=32, cand_dense=16, user_dense_tokens=3, cand_dense_tokens=3,
+               compressed=16, tower=(64, 32))
+  bf16 = Ranker(RankerConfig(dtype="bfloat16", **sizes), rngs=nnx.Rngs(4))
+  f32 = Ranker(RankerConfig(**sizes), rngs=nnx.Rngs(4))  # the same parameters
+  requests = ClickGenerator(bf16.config, seed=5, mean_candidates=9, max_candidates=40).requests(12)
+  batch = pack_requests(requests, bf16.config, num_users=16, num_candidates=256)
+  if shuffled:
+    order = np.random.default_rng(6).permutation(batch.num_candidates)
+    batch = batch.replace(**{f: getattr(batch, f)[order] for f in
+                             ("cand_to_user", "cand_items", "cand_dense", "labels")})
+  mask = np.asarray(batch.candidate_mask())
+
+  def scores_and_grads(model, build):
+    loss = lambda m: masked_loss(build(m, batch), batch)
+    logits = nnx.jit(build)(model, batch)
+    grads = nnx.jit(nnx.grad(loss))(model)
+    return np.asarray(logits)[mask], grads
+
+  ikbo = scores_and_grads(bf16, lambda m, b: m(b))
+  same = scores_and_grads(bf16, lambda m, b: m.standard(b))
+  with jax.default_matmul_precision("highest"):
+    truth = scores_and_grads(f32, lambda m, b: m.standard(b))
+  # Through a whole network the two builds' bfloat16 roundings compound differently from
+  # the first layer on, so rows of one output (one logit, one row of a weight's gradient)
+  # are noisy draws; the rule's per-row bound belongs to single ops (the GPU sweep) and a
+  # model is held to its global bound, and its worst logit to twice the reference's worst.
+  def assert_global(name, out, same_out, true_out):
+    comparison = error_rule.compare(name, out, same_out, true_out, jnp.bfloat16)
+    assert comparison.kernel_err <= 2 * comparison.reference_err + comparison.floor, (
+        comparison.describe())
+
+  assert_global("logits", ikbo[0], same[0], truth[0])
+  worst = lambda out: np.max(np.abs(out - truth[0]))
+  assert worst(ikbo[0]) <= 2 * worst(same[0]) + 1e-2 * np.max(np.abs(truth[0])), (
+      worst(ikbo[0]), worst(same[0]))
+  leaf = lambda grads, path: np.asarray(
+      functools.reduce(lambda g, k: g[k], path, grads)[...], np.float32)
+  for path in (("items", "embedding"), ("sequence", "key", "kernel"),
+               ("sequence", "user_query", "kernel"), ("compress", "w_user"),
+               ("compress", "w_cand"), ("queries", "kernel")):
+    assert_global("d " + ".".join(path), *(leaf(g[1], path) for g in (ikbo, same, truth)))

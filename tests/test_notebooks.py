@@ -31,6 +31,6 @@ def test_notebook_executes_on_small_results(name, expected, tmp_path):
                    resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
   finally:
     del os.environ["IKBO_RESULTS"]
-  outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                    for o in c.get("outputs", []))
-  assert expected in outputs
+  outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+  assert expected in "".join(o.get("text", "") for o in outputs)
+  assert any("image/png" in o.get("data", {}) for o in outputs), "the notebook drew no plot"

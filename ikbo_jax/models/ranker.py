@@ -67,9 +67,14 @@ class Ranker(nnx.Module):
     self.compress = LinearCompression(c.user_tokens, c.cand_tokens, c.compressed, dtype=dtype,
                                       rngs=rngs)
     sizes = (c.compressed * c.embed_dim, *c.tower)
+    # Each hidden layer is normalized before its activation: Adam moves every weight of a
+    # layer by about the learning rate at once, so a layer over the wide compressed input
+    # (32768 features at the benchmark size) would shift its outputs by lr * |x|_1 per step
+    # and the logits would blow up within a few steps.
     layers = []
     for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
-      layers += [linear(fan_in, fan_out), jax.nn.relu]
+      layers += [linear(fan_in, fan_out), nnx.LayerNorm(fan_out, dtype=dtype, rngs=rngs),
+                 jax.nn.relu]
     self.tower = nnx.Sequential(*layers, linear(sizes[-1], 1))
 
   def __call__(self, batch: RankingBatch) -> jax.Array:
