@@ -101,14 +101,15 @@ def training(config, b, ratio, iterations) -> dict:
   return row
 
 
-async def _load(served, requests, rate, max_seconds):
-  async with Batcher(served, BatchingConfig(batch_timeout_ms=2.0)) as batcher:
+async def _load(served, requests, rate, max_seconds, max_in_flight):
+  batching = BatchingConfig(batch_timeout_ms=2.0, max_in_flight=max_in_flight)
+  async with Batcher(served, batching) as batcher:
     await asyncio.gather(*(batcher.score(r) for r in requests[:16]))
     return await run_load(batcher.score, requests, qps=rate, max_seconds=max_seconds)
 
 
 def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
-            seconds_per_rate, num_buckets) -> dict:
+            seconds_per_rate, num_buckets, max_in_flight) -> dict:
   gen = ClickGenerator(config, seed=3, mean_candidates=mean_candidates,
                        max_candidates=int(4 * mean_candidates))
   # Each rate sends at least `requests_per_rate` requests and at least `seconds_per_rate`
@@ -117,12 +118,13 @@ def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
   requests = gen.requests(count(max(rates)), start=3 * 10**9)
   buckets = default_buckets(config, mean_candidates=mean_candidates, count=num_buckets)
   out = dict(budget_p99_ms=budget_ms, mean_candidates=mean_candidates,
+             max_in_flight=max_in_flight,
              buckets=[(b.num_candidates, b.num_users, b.history_slots) for b in buckets])
   for build in BUILDS:
     served = BucketedModel(model, buckets, build)
     ladder, sustained = [], 0.0
     for rate in rates:
-      stats = asyncio.run(_load(served, requests[:count(rate)], rate, max_seconds=30.0))
+      stats = asyncio.run(_load(served, requests[:count(rate)], rate, 30.0, max_in_flight))
       ladder.append(stats)
       print(f"serving {build} at {rate}/s: p99 {stats['p99_ms']:.1f} ms, "
             f"answered {stats['achieved_qps']:.0f}/s", flush=True)
@@ -145,6 +147,9 @@ def main() -> None:
   parser.add_argument("--ratios", type=int, nargs="*", help="candidates per user")
   parser.add_argument("--rates", type=float, nargs="*", help="serving rates to climb")
   parser.add_argument("--buckets", type=int, default=4, help="how many default buckets (1-4)")
+  parser.add_argument("--max-in-flight", type=int, default=2, help="the batcher's")
+  parser.add_argument("--parts", nargs="*", choices=("inference", "training", "serving"),
+                      default=("inference", "training", "serving"), help="what to measure")
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
   if args.small:
@@ -156,11 +161,14 @@ def main() -> None:
   sizes, ratios, rates = args.sizes or sizes, args.ratios or ratios, args.rates or rates
   budget_ms = args.budget_ms or (100.0 if args.small else 20.0)
   model = Ranker(config, rngs=nnx.Rngs(0))
-  payload = dict(**common.metadata(), config=str(config), iterations=args.iterations,
-                 inference=inference(model, config, sizes, ratios, args.iterations),
-                 training=training(config, *train_at, args.iterations),
-                 serving=serving(model, config, mean, rates, budget_ms,
-                                 args.requests_per_rate, args.seconds_per_rate, args.buckets))
+  payload = dict(**common.metadata(), config=str(config), iterations=args.iterations)
+  if "inference" in args.parts:
+    payload["inference"] = inference(model, config, sizes, ratios, args.iterations)
+  if "training" in args.parts:
+    payload["training"] = training(config, *train_at, args.iterations)
+  if "serving" in args.parts:
+    payload["serving"] = serving(model, config, mean, rates, budget_ms, args.requests_per_rate,
+                                 args.seconds_per_rate, args.buckets, args.max_in_flight)
   common.write_json(args.out, payload)
 
 

@@ -72,6 +72,38 @@ def test_batched_scores_equal_each_request_scored_alone(ranker, served):
     np.testing.assert_allclose(got, _alone(ranker, request), rtol=1e-5, atol=1e-6)
 
 
+class _SlowModel:
+  """`served` behind a 20 ms sleep that records how many batches run at once."""
+
+  def __init__(self, served):
+    self.served, self.running, self.most = served, 0, 0
+    self.lock = threading.Lock()
+
+  def __getattr__(self, name):
+    return getattr(self.served, name)
+
+  def __call__(self, requests):
+    with self.lock:
+      self.running += 1
+      self.most = max(self.most, self.running)
+    time.sleep(0.02)
+    try:
+      return self.served(requests)
+    finally:
+      with self.lock:
+        self.running -= 1
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 3])
+def test_batches_in_flight_overlap_up_to_the_limit(ranker, served, max_in_flight):
+  model, reqs = _SlowModel(served), _requests(24)
+  scores = asyncio.run(_score_all(model, reqs, max_batch_requests=1, batch_timeout_ms=0.0,
+                                  max_in_flight=max_in_flight))
+  assert model.most == max_in_flight
+  for request, got in zip(reqs[:4], scores):
+    np.testing.assert_allclose(got, _alone(ranker, request), rtol=1e-5, atol=1e-6)
+
+
 def test_a_bad_request_fails_alone(ranker, served):
   good = _requests(4, start=100)
   r = good[0]
@@ -111,6 +143,8 @@ def test_bucket_and_batching_arguments_are_checked(ranker, served):
     Batcher(served, BatchingConfig(max_batch_requests=5))
   with pytest.raises(ValueError, match="batch_timeout_ms must be >= 0"):
     BatchingConfig(batch_timeout_ms=-1)
+  with pytest.raises(ValueError, match="max_in_flight must be a positive int, got 0"):
+    BatchingConfig(max_in_flight=0)
 
 
 def test_http_endpoint_over_loopback(ranker, served):

@@ -30,6 +30,8 @@ def main(argv=None) -> None:
   parser.add_argument("--build", choices=("ikbo", "standard"), default="ikbo")
   parser.add_argument("--max-batch-requests", type=int, default=16)
   parser.add_argument("--batch-timeout-ms", type=float, default=2.0)
+  parser.add_argument("--max-in-flight", type=int, default=2,
+                      help="batches with the model at once")
   parser.add_argument("--mean-candidates", type=float, default=8.0,
                       help="sizes the default buckets")
   parser.add_argument("--host", default="127.0.0.1")
@@ -45,7 +47,8 @@ def main(argv=None) -> None:
                                     mean_candidates=args.mean_candidates)
   model = BucketedModel(ranker, buckets, args.build)
   print(f"compiled {len(buckets)} buckets: {buckets}")
-  batching = BatchingConfig(args.max_batch_requests, args.batch_timeout_ms)
+  batching = BatchingConfig(args.max_batch_requests, args.batch_timeout_ms,
+                            max_in_flight=args.max_in_flight)
   uvicorn.run(create_app(model, batching), host=args.host, port=args.port)
 
 

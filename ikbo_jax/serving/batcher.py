@@ -4,9 +4,11 @@ The knobs are those of TF-Serving's and Triton's dynamic batchers: a batch
 holds at most `max_batch_requests` requests, and the first request of a batch
 waits at most `batch_timeout_ms` for others to join. A batch closes early
 when the next request would not fit the largest bucket; that request opens the
-next batch. Each request is validated before it is queued: a bad one gets
-its own `RequestError` and never reaches a batch, so the other requests are
-unaffected. A request with more candidates than the largest bucket holds is
+next batch. Up to `max_in_flight` batches are with the model at once (Triton's
+instance count), so the host packs the next batch while the device runs the
+last one; a batch forms while it waits for a free slot. Each request is
+validated before it is queued: a bad one gets its own `RequestError` and never
+reaches a batch, so the other requests are unaffected. A request with more candidates than the largest bucket holds is
 split into pieces (the same user, consecutive candidates) and its scores are
 joined in order; a history longer than the model takes is refused.
 """
@@ -31,11 +33,13 @@ class BatchingConfig:
       the user slots of the largest bucket.
     batch_timeout_ms: longest wait of a batch's first request for more (max queue delay).
     max_queued: requests waiting beyond this are refused at once (back-pressure).
+    max_in_flight: batches with the model at once, each on its own host thread.
   """
 
   max_batch_requests: int | None = None
   batch_timeout_ms: float = 2.0
   max_queued: int = 4096
+  max_in_flight: int = 2
 
   def __post_init__(self):
     if self.max_batch_requests is not None and not (
@@ -43,8 +47,10 @@ class BatchingConfig:
       raise ValueError(f"max_batch_requests must be a positive int, got {self.max_batch_requests!r}")
     if not self.batch_timeout_ms >= 0:
       raise ValueError(f"batch_timeout_ms must be >= 0, got {self.batch_timeout_ms!r}")
-    if not (isinstance(self.max_queued, int) and self.max_queued > 0):
-      raise ValueError(f"max_queued must be a positive int, got {self.max_queued!r}")
+    for name in ("max_queued", "max_in_flight"):
+      value = getattr(self, name)
+      if not (isinstance(value, int) and value > 0):
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -56,7 +62,7 @@ class _Pending:
 class Batcher:
   """Scores requests through `model`, batching the ones that arrive together.
 
-  Use as an async context manager (it runs a batching task and one model thread):
+  Use as an async context manager (it runs a batching task and `max_in_flight` model threads):
 
   >>> import asyncio
   >>> from flax import nnx
@@ -85,7 +91,10 @@ class Batcher:
     self._queue: collections.deque[_Pending] = collections.deque()
     self._arrived = asyncio.Event()
     self._task: asyncio.Task | None = None
-    self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ikbo-model")
+    self._threads = concurrent.futures.ThreadPoolExecutor(config.max_in_flight,
+                                                          thread_name_prefix="ikbo-model")
+    self._free_slots = asyncio.Semaphore(config.max_in_flight)
+    self._in_flight: set[asyncio.Task] = set()
 
   async def __aenter__(self) -> Batcher:
     self._task = asyncio.create_task(self._run())
@@ -97,9 +106,10 @@ class Batcher:
       await self._task
     except asyncio.CancelledError:
       pass
+    await asyncio.gather(*self._in_flight)  # batches already with the model finish
     for pending in self._queue:
       pending.future.set_exception(RuntimeError("the batcher stopped"))
-    self._thread.shutdown(wait=True)
+    self._threads.shutdown(wait=True)
 
   async def score(self, request: Request) -> np.ndarray:
     """The request's click probabilities in its candidate order; `RequestError` if it is bad."""
@@ -134,6 +144,7 @@ class Batcher:
   async def _run(self) -> None:
     loop = asyncio.get_running_loop()
     while True:
+      await self._free_slots.acquire()  # while none is free, the queue keeps filling
       batch = [await self._next_request(None)]
       deadline = loop.time() + self.config.batch_timeout_ms / 1e3
       while len(batch) < self.config.max_batch_requests:
@@ -146,19 +157,28 @@ class Batcher:
         batch.append(pending)
       live = [p for p in batch if not p.future.cancelled()]
       if not live:
+        self._free_slots.release()
         continue
-      try:
-        scores = await loop.run_in_executor(self._thread, self.model,
-                                            [p.request for p in live])
-      except Exception as e:  # a failure of the batch reaches each of its callers
-        for p in live:
-          if not p.future.done():
-            p.future.set_exception(e)
-        continue
-      self.batches_run += 1
-      for p, s in zip(live, scores):
+      task = asyncio.create_task(self._score(live))
+      self._in_flight.add(task)
+      task.add_done_callback(self._in_flight.discard)
+
+  async def _score(self, batch: list[_Pending]) -> None:
+    """Runs one batch on a model thread and answers its requests; frees its slot."""
+    try:
+      scores = await asyncio.get_running_loop().run_in_executor(
+          self._threads, self.model, [p.request for p in batch])
+    except Exception as e:  # a failure of the batch reaches each of its callers
+      for p in batch:
         if not p.future.done():
-          p.future.set_result(s)
+          p.future.set_exception(e)
+      return
+    finally:
+      self._free_slots.release()
+    self.batches_run += 1
+    for p, s in zip(batch, scores):
+      if not p.future.done():
+        p.future.set_result(s)
 
 
 def _split(request: Request, max_candidates: int) -> list[Request]:
