@@ -46,19 +46,28 @@ cells = [
     nbf.v4.new_markdown_cell(
         "## Serving: p99 latency against the offered rate\n\n"
         "A Poisson stream through the batcher and the compiled buckets, at rising rates until "
-        "the p99 budget or the rate is missed; the sustained rate is the last that kept both."),
+        "the p99 budget or the rate is missed; the sustained rate is the last that kept both. "
+        "With the H200 results, the serving run with two batches in flight (its own file) is "
+        "drawn beside the run above."),
     nbf.v4.new_code_cell(
-        "srv = res['serving']\n"
-        "fig, ax = plt.subplots(figsize=(6, 3.5))\n"
-        "for build in ('ikbo', 'standard'):\n"
-        "    ladder = srv[build]['ladder']\n"
-        "    ax.plot([s['offered_qps'] for s in ladder], [s['p99_ms'] for s in ladder],\n"
-        "            marker='o', label=f\"{build} (sustained {srv[build]['sustained_qps']:.0f}/s)\")\n"
-        "ax.axhline(srv['budget_p99_ms'], color='gray', ls='--', label='p99 budget')\n"
-        "ax.set_xscale('log'); ax.set_yscale('log')\n"
-        "ax.set_xlabel('offered requests/s'); ax.set_ylabel('p99 latency, ms'); ax.legend(fontsize=8)\n"
-        "plt.tight_layout(); plt.show()\n"
-        "print('sustained QPS ratio, IKBO / standard:', round(srv['qps_ratio'], 2))"),
+        "runs = [res['serving']]\n"
+        "extra = '../benchmarks/results/ranking_system_serving_h200.json'\n"
+        "if 'IKBO_RESULTS' not in os.environ and os.path.exists(extra):\n"
+        "    runs.append(json.load(open(extra))['serving'])\n"
+        "fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 3.5), squeeze=False)\n"
+        "for ax, srv in zip(axes[0], runs):\n"
+        "    for build in ('ikbo', 'standard'):\n"
+        "        ladder = srv[build]['ladder']\n"
+        "        ax.plot([s['offered_qps'] for s in ladder], [s['p99_ms'] for s in ladder],\n"
+        "                marker='o', label=f\"{build} (sustained {srv[build]['sustained_qps']:.0f}/s)\")\n"
+        "    ax.axhline(srv['budget_p99_ms'], color='gray', ls='--', label='p99 budget')\n"
+        "    ax.set_xscale('log'); ax.set_yscale('log')\n"
+        "    ax.set_title(f\"{srv.get('max_in_flight', 1)} batch(es) in flight\")\n"
+        "    ax.set_xlabel('offered requests/s'); ax.set_ylabel('p99 latency, ms')\n"
+        "    ax.legend(fontsize=8)\n"
+        "    print(f\"{srv.get('max_in_flight', 1)} in flight: sustained QPS ratio, IKBO / standard:\",\n"
+        "          round(srv['qps_ratio'], 2))\n"
+        "plt.tight_layout(); plt.show()"),
 ]
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {
     "name": "python3", "display_name": "Python 3", "language": "python"}})
