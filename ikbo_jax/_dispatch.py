@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Literal
 
+import jax
 import jax.numpy as jnp
 
 from ikbo_jax import platform
@@ -100,3 +101,29 @@ def resolve(backends: tuple[Backend, ...], implementation: str | None, dtype, *,
 def supported(backends: tuple[Backend, ...], dtype, **facts) -> tuple[str, ...]:
   """Names of the backends that run these inputs on the default device (not interpreted)."""
   return tuple(b.name for b in backends if b.unsupported(dtype, False, **facts) is None)
+
+
+def common_varying_axes(*args):
+  """`args` with every array marked as varying over each `shard_map` axis any of them varies over.
+
+  A `custom_vjp`'s backward must return cotangents typed like the primal inputs.
+  Inside `jax.shard_map`, a replicated weight that meets sharded data gets a
+  gradient that differs by shard; cast to varying before the `custom_vjp`, the
+  weight's cast transposes to the all-reduce that sums those gradients. Outside
+  `shard_map` nothing varies and `args` come back unchanged.
+  """
+  leaves, tree = jax.tree.flatten(args)
+  axes = frozenset().union(*(_varying_axes(x) for x in leaves))
+  if not axes:
+    return args
+
+  def cast(x):
+    missing = tuple(sorted(axes - _varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.unflatten(tree, [cast(x) for x in leaves])
+
+
+def _varying_axes(x) -> frozenset:
+  """The `shard_map` axes along which `x` differs by shard (empty outside `shard_map`)."""
+  return frozenset(jax.typeof(x).mat.varying)

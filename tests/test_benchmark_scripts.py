@@ -1,52 +1,77 @@
-"""The benchmark scripts keep working: their --small mode runs on CPU."""
+"""The benchmark scripts run in their --small mode on CPU, and each notebook executes on the
+result file its script wrote, drawing its plots."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
 
+import nbformat
+import pytest
+from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+# The script's arguments beyond --small, and a line the notebook must print.
+SCRIPTS = {
+    "linear_compression": ([], "baseline_materialized"),
+    "target_attention": ([], "xla_materialized"),
+    "self_target_attention": ([], "fused_xla"),
+    "ranking_system": (["--requests-per-rate", "30", "--seconds-per-rate", "0", "--sizes", "64",
+                        "--ratios", "8", "--rates", "100", "200", "--buckets", "1"],
+                       "sustained QPS ratio"),
+    "rewrite": ([], "fraction of the hand-written speedup"),
+}
 
-def test_target_attention_benchmark_small(tmp_path):
-  out = tmp_path / "ta.json"
-  subprocess.run([sys.executable, "-m", "benchmarks.target_attention", "--small",
-                  "--iterations", "2", "--out", str(out)], cwd=ROOT, check=True)
+
+@pytest.fixture(scope="module", params=sorted(SCRIPTS))
+def small_run(request, tmp_path_factory):
+  """(script name, its JSON result) of one --small run."""
+  name = request.param
+  out = tmp_path_factory.mktemp(name) / "small.json"
+  subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--small", "--iterations", "2",
+                  *SCRIPTS[name][0], "--out", str(out)], cwd=ROOT, check=True)
+  return name, out
+
+
+def test_small_results_are_complete(small_run):
+  name, out = small_run
   result = json.loads(out.read_text())
-  row = result["sweep"]["32"]["xla_materialized"]
-  assert row["ms"] > 0 and 0 < row["roofline_fraction"] and row["tbps"] > 0
+  assert result["date"] and result["commit"] and result["jax_version"]
+  if name == "target_attention":
+    row = result["sweep"]["32"]["xla_materialized"]
+    assert row["ms"] > 0 and 0 < row["roofline_fraction"] and row["tbps"] > 0
+  elif name == "self_target_attention":
+    rows = result["sweep"]["32"]
+    assert rows["fused_xla"]["ms"] > 0 and rows["block/user_sequence_block"]["ms"] > 0
+    assert 0 < rows["fused_xla"]["roofline_fraction"] and rows["fused_xla"]["tbps"] > 0
+  elif name == "ranking_system":
+    for row in (*result["inference"].values(), result["training"]):
+      assert row["ikbo"]["ms"] > 0 and row["standard"]["ms"] > 0 and row["speedup"] > 0
+    serving = result["serving"]
+    assert serving["ikbo"]["ladder"] and serving["standard"]["ladder"]
+    assert all(s["errors"] == 0 for s in serving["ikbo"]["ladder"])
+  elif name == "rewrite":
+    cases = result["cases"]
+    assert set(cases) == {"lce", "target_attention", "dlrm", "ranker"}
+    for row in cases.values():
+      assert row["original"]["ms"] > 0 and row["rewritten"]["ms"] > 0 and row["ikbo"]["ms"] > 0
+      assert "materialized" not in row["changes"], row["changes"]
+  elif name == "linear_compression":
+    row = result["ladder"]["baseline_materialized"]
+    assert row["ms"] > 0 and 0 < row["roofline_fraction"] and row["tbps"] > 0
 
 
-def test_self_target_attention_benchmark_small(tmp_path):
-  out = tmp_path / "sta.json"
-  subprocess.run([sys.executable, "-m", "benchmarks.self_target_attention", "--small",
-                  "--iterations", "2", "--out", str(out)], cwd=ROOT, check=True)
-  rows = json.loads(out.read_text())["sweep"]["32"]
-  assert rows["fused_xla"]["ms"] > 0 and rows["block/user_sequence_block"]["ms"] > 0
-  assert 0 < rows["fused_xla"]["roofline_fraction"] and rows["fused_xla"]["tbps"] > 0
-
-
-def test_ranking_system_benchmark_small(tmp_path):
-  out = tmp_path / "rs.json"
-  subprocess.run([sys.executable, "-m", "benchmarks.ranking_system", "--small",
-                  "--iterations", "2", "--requests-per-rate", "30", "--sizes", "64",
-                  "--ratios", "8", "--rates", "100", "--buckets", "1", "--out", str(out)],
-                 cwd=ROOT, check=True)
-  result = json.loads(out.read_text())
-  for row in (*result["inference"].values(), result["training"]):
-    assert row["ikbo"]["ms"] > 0 and row["standard"]["ms"] > 0 and row["speedup"] > 0
-  serving = result["serving"]
-  assert serving["ikbo"]["ladder"] and serving["standard"]["ladder"]
-  assert all(s["errors"] == 0 for s in serving["ikbo"]["ladder"])
-
-
-def test_rewrite_benchmark_small(tmp_path):
-  out = tmp_path / "rw.json"
-  subprocess.run([sys.executable, "-m", "benchmarks.rewrite", "--small", "--iterations", "2",
-                  "--out", str(out)], cwd=ROOT, check=True)
-  cases = json.loads(out.read_text())["cases"]
-  assert set(cases) == {"lce", "target_attention", "dlrm", "ranker"}
-  for row in cases.values():
-    assert row["original"]["ms"] > 0 and row["rewritten"]["ms"] > 0 and row["ikbo"]["ms"] > 0
-    assert "materialized" not in row["changes"], row["changes"]
+def test_notebook_executes_and_plots(small_run):
+  name, out = small_run
+  nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+  os.environ["IKBO_RESULTS"] = str(out)
+  try:
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+  finally:
+    del os.environ["IKBO_RESULTS"]
+  outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+  assert SCRIPTS[name][1] in "".join(o.get("text", "") for o in outputs)
+  assert any("image/png" in o.get("data", {}) for o in outputs), "the notebook drew no plot"

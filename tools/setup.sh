@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv with a Python >= 3.12 (JAX 0.11 needs it; 3.12 first, what the GPU machine
 # runs) and installs ikbo_jax with its test extra. Extra extras as arguments, e.g.
-# `bash tools/setup.sh notebooks` or `bash tools/setup.sh cuda` (the CUDA plugin of the pinned
-# jax, for the GPU kernels). Safe to run again: an existing .venv is reused.
+# `bash tools/setup.sh cuda` (the CUDA plugin of the pinned jax, for the GPU kernels).
+# Safe to run again: an existing .venv is reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -128,8 +128,8 @@ def linear_compression(w_user, w_cand, e_user, e_cand, index: CandidateIndex, *,
   if implementation == "xla_materialized":
     # The baseline in both directions: plain autodiff through the broadcast.
     return xla.materialized(w_user, w_cand, e_user, e_cand, index.clamped_cand_to_user)
-  return _lce(implementation, interpret, index.num_users,
-              w_user, w_cand, e_user, e_cand, index.clamped_cand_to_user)
+  return _lce(implementation, interpret, index.num_users, *_dispatch.common_varying_axes(
+      w_user, w_cand, e_user, e_cand, index.clamped_cand_to_user))
 
 
 def _check_args(w_user, w_cand, e_user, e_cand, index) -> None:

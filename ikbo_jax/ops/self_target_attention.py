@@ -148,6 +148,7 @@ def self_target_attention(q_user, q_cand, k, v, index: CandidateIndex, *, kv_len
   checks.check_operands(q_user=(q_user, ("U", "S", "H", "D")))
   for axis, meaning in enumerate(("U, from k", "S, from k", "H, from k", "D, from k")):
     checks.check_dim("q_user", q_user, axis, k.shape[axis], meaning)
+  q_user, q_cand, k, v = (jnp.asarray(x) for x in (q_user, q_cand, k, v))  # NumPy inputs too
   dtype = checks.check_float_dtypes(q_user=q_user, q_cand=q_cand, k=k, v=v)
   interpret = checks.check_flag("interpret", interpret)
   implementation = _dispatch.resolve(BACKENDS, implementation, dtype, interpret=interpret,
@@ -157,6 +158,7 @@ def self_target_attention(q_user, q_cand, k, v, index: CandidateIndex, *, kv_len
   scale = checks.resolve_scale(scale, k.shape[-1])
   causal = checks.check_flag("causal", causal)
   if implementation == "mosaic_gpu":
-    return _fused(scale, causal, interpret, masked, q_user, q_cand, k, v, index, kv_len)
+    return _fused(scale, causal, interpret, masked,
+                  *_dispatch.common_varying_axes(q_user, q_cand, k, v, index, kv_len))
   return xla.self_target(q_user, q_cand, k, v, index.clamped_cand_to_user, kv_len, scale=scale,
                          causal=causal)

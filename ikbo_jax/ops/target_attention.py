@@ -138,6 +138,7 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
   (3, 4, 2, 8)
   """
   check_args(q, k, v, index, kv_len)
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)  # NumPy inputs index like arrays
   dtype = checks.check_float_dtypes(q=q, k=k, v=v)
   interpret = checks.check_flag("interpret", interpret)
   backend = _dispatch.resolve(BACKENDS, implementation, dtype, interpret=interpret,
@@ -148,8 +149,8 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
   kv_len = prepare_kv_len(kv_len, index, k.shape[1], checks.check_flag("checked", checked))
   scale = checks.resolve_scale(scale, q.shape[-1])
   if backend.is_kernel:
-    return _kernel_attention(implementation, scale, interpret, masked, return_lse, q, k, v, index,
-                             kv_len)
+    return _kernel_attention(implementation, scale, interpret, masked, return_lse,
+                             *_dispatch.common_varying_axes(q, k, v, index, kv_len))
   impl = xla.materialized if implementation == "xla_materialized" else xla.chunked
   out, lse = impl(q, k, v, index.clamped_cand_to_user, kv_len, scale=scale)
   return (out, lse) if return_lse else out

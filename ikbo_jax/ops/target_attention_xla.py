@@ -20,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ikbo_jax import _dispatch
 from ikbo_jax.ops.linear_compression_xla import take_rows
 
 _F32 = jnp.float32
@@ -86,7 +87,8 @@ def chunked(q, k, v, cand_to_user, kv_len, *, scale: float, chunk: int = 32, pre
   gradients over its candidates in float32 (plain autodiff would accumulate
   them in the input dtype, several times less accurately for 16-bit inputs).
   """
-  return _chunked(scale, chunk, precision, q, k, v, cand_to_user, kv_len)
+  return _chunked(scale, chunk, precision,
+                  *_dispatch.common_varying_axes(q, k, v, cand_to_user, kv_len))
 
 
 def _in_chunks(x, chunk: int):
@@ -134,7 +136,7 @@ def _chunked_bwd(scale, chunk, precision, residuals, cotangents):
     return (dk_sum.at[users].add(dk_rows.astype(_F32)),
             dv_sum.at[users].add(dv_rows.astype(_F32))), dq
 
-  zeros = jnp.zeros(k.shape, _F32)
+  zeros = jnp.zeros_like(k, _F32)  # typed like k: inside shard_map, varying as k does
   xs = tuple(_in_chunks(x, chunk) for x in (q, cand_to_user, d_out, d_lse))
   (dk, dv), dq = jax.lax.scan(chunk_step, (zeros, zeros), xs)
   dq = dq.reshape(-1, *q.shape[1:])[: q.shape[0]]

@@ -1,6 +1,7 @@
 """Serves the ranking model over HTTP (uvicorn):
 
     python -m ikbo_jax.serving --checkpoint-dir /tmp/ranker --port 8000
+    python -m ikbo_jax.serving --checkpoint-dir /tmp/ranker --devices 2   # a replica per GPU
 
 `--checkpoint-dir` is a directory written by `python -m ikbo_jax.training`
 (without it the model has random weights, for load tests). Routes: `POST
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+import jax
 import uvicorn
 from flax import nnx
 
@@ -18,6 +20,7 @@ from ikbo_jax.models import PRESETS
 from ikbo_jax.serving import runtime
 from ikbo_jax.serving.batcher import BatchingConfig
 from ikbo_jax.serving.buckets import BucketedModel
+from ikbo_jax.serving.devices import DeviceSet
 from ikbo_jax.serving.http import create_app
 from ikbo_jax.models import Ranker
 from ikbo_jax.training.trainer import load_ranker
@@ -30,8 +33,10 @@ def main(argv=None) -> None:
   parser.add_argument("--build", choices=("ikbo", "standard"), default="ikbo")
   parser.add_argument("--max-batch-requests", type=int, default=16)
   parser.add_argument("--batch-timeout-ms", type=float, default=2.0)
-  parser.add_argument("--max-in-flight", type=int, default=2,
-                      help="batches with the model at once")
+  parser.add_argument("--max-in-flight", type=int,
+                      help="batches with the model at once (default: 2 per device)")
+  parser.add_argument("--devices", type=int, default=1,
+                      help="serve on this many local devices, one model replica on each")
   parser.add_argument("--mean-candidates", type=float, default=8.0,
                       help="sizes the default buckets")
   parser.add_argument("--host", default="127.0.0.1")
@@ -45,10 +50,13 @@ def main(argv=None) -> None:
     ranker = Ranker(config, rngs=nnx.Rngs(0))
   buckets = runtime.default_buckets(config, max_batch_requests=args.max_batch_requests,
                                     mean_candidates=args.mean_candidates)
-  model = BucketedModel(ranker, buckets, args.build)
+  if not 1 <= args.devices <= len(jax.local_devices()):
+    parser.error(f"--devices must be in [1, {len(jax.local_devices())}], got {args.devices}")
+  model = (BucketedModel(ranker, buckets, args.build) if args.devices == 1 else
+           DeviceSet(ranker, buckets, args.build, devices=jax.local_devices()[:args.devices]))
   print(f"compiled {len(buckets)} buckets: {buckets}")
   batching = BatchingConfig(args.max_batch_requests, args.batch_timeout_ms,
-                            max_in_flight=args.max_in_flight)
+                            max_in_flight=args.max_in_flight or 2 * args.devices)
   uvicorn.run(create_app(model, batching), host=args.host, port=args.port)
 
 

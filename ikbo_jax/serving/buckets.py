@@ -44,10 +44,12 @@ class BucketedModel:
     buckets: the shapes to compile; the largest bounds what one batch can hold.
       Every bucket's `history_slots` must be at most the model's `max_history`.
     build: `"ikbo"` (the mapping passed to the IKBO layers) or `"standard"`.
+    device: where the parameters live and the executables run (default: jax's default
+      device); `ikbo_jax.serving.DeviceSet` keeps one `BucketedModel` per device.
   """
 
   def __init__(self, model: Ranker, buckets: Sequence[Bucket],
-               build: Literal["ikbo", "standard"] = "ikbo"):
+               build: Literal["ikbo", "standard"] = "ikbo", *, device: jax.Device | None = None):
     if build not in ("ikbo", "standard"):
       raise ValueError(f"build must be 'ikbo' or 'standard', got {build!r}")
     if not buckets:
@@ -67,8 +69,10 @@ class BucketedModel:
       model = nnx.merge(graphdef, state)
       return jax.nn.sigmoid(model(batch) if build == "ikbo" else model.standard(batch))
 
-    self._state = state
-    self._executables = {b: jax.jit(probabilities).lower(state, self._example(b)).compile()
+    self.device = device or jax.devices()[0]
+    self._placement = jax.sharding.SingleDeviceSharding(self.device)
+    self._state = jax.device_put(state, self._placement)
+    self._executables = {b: jax.jit(probabilities).lower(self._state, self._example(b)).compile()
                          for b in self.buckets}
 
   @property
@@ -88,13 +92,15 @@ class BucketedModel:
     batch = pack_requests(requests, self.config, num_users=bucket.num_users,
                           num_candidates=bucket.num_candidates,
                           history_slots=bucket.history_slots)
+    batch = jax.device_put(batch, self._placement)
     scores = np.asarray(self._executables[bucket](self._state, batch))
     offsets = np.cumsum([0] + [r.num_candidates for r in requests])
     return [scores[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
 
   def _example(self, bucket: Bucket) -> RankingBatch:
     c = self.config
-    shape = lambda *s, dtype=jnp.float32: jax.ShapeDtypeStruct(s, dtype)
+    shape = lambda *s, dtype=jnp.float32: jax.ShapeDtypeStruct(s, dtype,
+                                                                sharding=self._placement)
     return RankingBatch(
         user_dense=shape(bucket.num_users, c.user_dense),
         history=shape(bucket.num_users, bucket.history_slots, dtype=jnp.int32),
