@@ -20,7 +20,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ikbo_jax.models.batch import RankingBatch
-from ikbo_jax.models.ranker import Ranker
 from ikbo_jax.sharding import ShardPlan, plan_shards
 
 
