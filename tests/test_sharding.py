@@ -53,4 +53,4 @@ def test_sharded_ops_and_ranker_on_eight_simulated_devices():
                            "tests/multidevice/check_sharding.py"], cwd=ROOT, env=env,
                           capture_output=True, text=True)
   assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-  assert " 4 passed" in result.stdout, result.stdout[-2000:]
+  assert "\n4 passed" in result.stdout, result.stdout[-2000:]
