@@ -1,8 +1,7 @@
 """Builds notebooks/linear_compression.ipynb (run it, then execute the notebook)."""
 
-import pathlib
-
 import nbformat as nbf
+from _maker import write
 
 cells = [
     nbf.v4.new_markdown_cell(
@@ -59,6 +58,4 @@ cells = [
         "axes[1].legend(fontsize=7)\n"
         "plt.tight_layout(); plt.show()"),
 ]
-nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {
-    "name": "python3", "display_name": "Python 3", "language": "python"}})
-nbf.write(nb, pathlib.Path(__file__).with_name("linear_compression.ipynb"))
+write(cells, "linear_compression")

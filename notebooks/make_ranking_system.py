@@ -1,8 +1,7 @@
 """Builds notebooks/ranking_system.ipynb (run it, then execute the notebook)."""
 
-import pathlib
-
 import nbformat as nbf
+from _maker import write
 
 cells = [
     nbf.v4.new_markdown_cell(
@@ -69,6 +68,4 @@ cells = [
         "          round(srv['qps_ratio'], 2))\n"
         "plt.tight_layout(); plt.show()"),
 ]
-nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {
-    "name": "python3", "display_name": "Python 3", "language": "python"}})
-nbf.write(nb, pathlib.Path(__file__).with_name("ranking_system.ipynb"))
+write(cells, "ranking_system")

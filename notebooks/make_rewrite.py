@@ -1,8 +1,7 @@
 """Builds notebooks/rewrite.ipynb (run it, then execute the notebook)."""
 
-import pathlib
-
 import nbformat as nbf
+from _maker import write
 
 cells = [
     nbf.v4.new_markdown_cell(
@@ -57,6 +56,4 @@ cells = [
         "print('fraction of the hand-written speedup per case:', "
         "{n: round(r['fraction_of_ikbo_speedup'], 2) for n, r in cases.items()})"),
 ]
-nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {
-    "name": "python3", "display_name": "Python 3", "language": "python"}})
-nbf.write(nb, pathlib.Path(__file__).with_name("rewrite.ipynb"))
+write(cells, "rewrite")

@@ -1,8 +1,7 @@
 """Builds notebooks/self_target_attention.ipynb (run it, then execute the notebook)."""
 
-import pathlib
-
 import nbformat as nbf
+from _maker import write
 
 cells = [
     nbf.v4.new_markdown_cell(
@@ -60,6 +59,4 @@ cells = [
         "fig.suptitle(f\"self + target attention, {res['device']}\")\n"
         "plt.tight_layout(); plt.show()"),
 ]
-nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {
-    "name": "python3", "display_name": "Python 3", "language": "python"}})
-nbf.write(nb, pathlib.Path(__file__).with_name("self_target_attention.ipynb"))
+write(cells, "self_target_attention")

@@ -1,8 +1,7 @@
 """Builds notebooks/target_attention.ipynb (run it, then execute the notebook)."""
 
-import pathlib
-
 import nbformat as nbf
+from _maker import write
 
 cells = [
     nbf.v4.new_markdown_cell(
@@ -54,6 +53,4 @@ cells = [
         "        if ratios and ('mosaic' in name or 'triton' in name or 'xla' in name):\n"
         "            print(s, name, ratios)"),
 ]
-nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {
-    "name": "python3", "display_name": "Python 3", "language": "python"}})
-nbf.write(nb, pathlib.Path(__file__).with_name("target_attention.ipynb"))
+write(cells, "target_attention")
