@@ -156,7 +156,8 @@ def main() -> None:
     config, sizes, ratios, train_at = RankerConfig(), (64, 256), (8, 32), (256, 32)
     rates, mean = (50, 100, 200, 400, 800), 8.0
   else:
-    config, sizes, ratios, train_at = RankerConfig.benchmark(), (256, 1024, 4096), (10, 70, 500), (1024, 70)
+    config, train_at = RankerConfig.benchmark(), (1024, 70)
+    sizes, ratios = (256, 1024, 4096), (10, 70, 500)
     rates, mean = (25, 50, 100, 200, 300, 400, 600, 800, 1200, 1600, 2400, 3200, 4800), 70.0
   sizes, ratios, rates = args.sizes or sizes, args.ratios or ratios, args.rates or rates
   budget_ms = args.budget_ms or (100.0 if args.small else 20.0)

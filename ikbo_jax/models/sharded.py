@@ -15,12 +15,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ikbo_jax.models.batch import RankingBatch
 from ikbo_jax.sharding import ShardPlan, plan_shards
+from ikbo_jax.training.trainer import masked_loss_terms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,18 +30,16 @@ class ShardedBatch:
   Attributes:
     batch: `num_shards` blocks of `plan.users_per_shard` users and
       `plan.candidates_per_shard` candidates, each block a batch of its own.
-    plan: where every user and candidate went.
-    real: the source batch's real (non-padding) candidate slots, whose scores
-      `restore` returns, in order.
+    plan: where every user and candidate went (the source batch's padding
+      candidates are left out).
   """
 
   batch: RankingBatch
   plan: ShardPlan
-  real: np.ndarray
 
   def restore(self, scores) -> np.ndarray:
     """`scores` in the shard layout -> the source batch's real candidates' scores, in order."""
-    return self.plan.restore(np.asarray(scores))
+    return self.plan.restore(scores)
 
 
 def shard_batch(batch: RankingBatch, num_shards: int, *, users_per_shard: int | None = None,
@@ -57,7 +55,7 @@ def shard_batch(batch: RankingBatch, num_shards: int, *, users_per_shard: int | 
       history_len=plan.users(batch.history_len), cand_to_user=plan.local_cand_to_user,
       cand_items=cands(batch.cand_items), cand_dense=cands(batch.cand_dense),
       labels=cands(batch.labels))
-  return ShardedBatch(sharded, plan, real)
+  return ShardedBatch(sharded, plan)
 
 
 def place(batch: RankingBatch, mesh: Mesh, axis: str = "data") -> RankingBatch:
@@ -84,11 +82,8 @@ def sharded_loss(graphdef: nnx.GraphDef, mesh: Mesh, axis: str = "data"):
   gives the batch mean, so the gradient is that of the unsharded loss.
   """
   def per_shard(state, batch):
-    logits = nnx.merge(graphdef, state)(batch)
-    mask = batch.candidate_mask()
-    losses = optax.sigmoid_binary_cross_entropy(logits, batch.labels)
-    total = jnp.sum(jnp.where(mask, losses, 0))
-    return jax.lax.psum(total, axis), jax.lax.psum(jnp.sum(mask), axis)
+    total, count = masked_loss_terms(nnx.merge(graphdef, state)(batch), batch)
+    return jax.lax.psum(total, axis), jax.lax.psum(count, axis)
 
   terms = jax.shard_map(per_shard, mesh=mesh, in_specs=(P(), P(axis)), out_specs=(P(), P()))
 

@@ -8,9 +8,10 @@ next batch. Up to `max_in_flight` batches are with the model at once (Triton's
 instance count), so the host packs the next batch while the device runs the
 last one; a batch forms while it waits for a free slot. Each request is
 validated before it is queued: a bad one gets its own `RequestError` and never
-reaches a batch, so the other requests are unaffected. A request with more candidates than the largest bucket holds is
-split into pieces (the same user, consecutive candidates) and its scores are
-joined in order; a history longer than the model takes is refused.
+reaches a batch, so the other requests are unaffected. A request with more
+candidates than the largest bucket holds is split into pieces (the same user,
+consecutive candidates) and its scores are joined in order; a history longer
+than the model takes is refused.
 """
 
 from __future__ import annotations

@@ -64,9 +64,15 @@ def scores(model: Ranker, batch: RankingBatch, build: Build) -> jax.Array:
 
 def masked_loss(logits: jax.Array, batch: RankingBatch) -> jax.Array:
   """Mean binary cross-entropy over the real candidates of `batch`."""
+  total, count = masked_loss_terms(logits, batch)
+  return total / jnp.maximum(count, 1)
+
+
+def masked_loss_terms(logits: jax.Array, batch: RankingBatch) -> tuple[jax.Array, jax.Array]:
+  """The summed binary cross-entropy over the real candidates of `batch`, and their count."""
   mask = batch.candidate_mask()
   losses = optax.sigmoid_binary_cross_entropy(logits, batch.labels)
-  return jnp.sum(jnp.where(mask, losses, 0)) / jnp.maximum(jnp.sum(mask), 1)
+  return jnp.sum(jnp.where(mask, losses, 0)), jnp.sum(mask)
 
 
 @nnx.jit(static_argnames="build")
