@@ -44,7 +44,7 @@ def lce_case(b, u, m, n, k_user, k_cand, dtype):
 
   args = (_normal(0, (u, k_user, n), dtype), _mapping(b, u), _normal(1, (b, k_cand, n), dtype),
           _normal(2, (m, k_user + k_cand), dtype))
-  return original, by_hand, args, dict(mapping_argnum=1, user_argnums=(0,))
+  return original, by_hand, args, dict(mapping=1, users=(0,))
 
 
 def attention_case(b, u, s, heads, head_dim, n_seed, dtype):
@@ -60,7 +60,7 @@ def attention_case(b, u, s, heads, head_dim, n_seed, dtype):
   lengths = jnp.asarray(np.random.default_rng(1).integers(s // 2, s + 1, u), jnp.int32)
   args = (_normal(0, shape, dtype), _normal(1, shape, dtype), _mapping(b, u),
           _normal(2, (b, n_seed, heads, head_dim), dtype), lengths)
-  return original, by_hand, args, dict(mapping_argnum=2, user_argnums=(0, 1, 4))
+  return original, by_hand, args, dict(mapping=2, users=(0, 1, 4))
 
 
 def dlrm_case(b, u, f_user, f_cand, hidden, dtype):
@@ -72,7 +72,7 @@ def dlrm_case(b, u, f_user, f_cand, hidden, dtype):
 
   args = (_normal(0, (u, f_user), dtype), _mapping(b, u), _normal(1, (b, f_cand), dtype),
           _normal(2, (f_user + f_cand, hidden), dtype), _normal(3, (hidden, 1), dtype))
-  return original, by_hand, args, dict(mapping_argnum=1, user_argnums=(0,))
+  return original, by_hand, args, dict(mapping=1, users=(0,))
 
 
 def ranker_case(config, b, ratio):
@@ -88,8 +88,8 @@ def ranker_case(config, b, ratio):
   by_hand = lambda state, *a: nnx.merge(graphdef, state)(as_batch(*a))
   args = (state, batch.user_dense, batch.history, batch.history_len, batch.cand_to_user,
           batch.cand_items, batch.cand_dense)
-  return original, by_hand, args, dict(mapping_argnum=4, user_argnums=(1, 2, 3),
-                                       candidate_argnums=(5, 6))
+  return original, by_hand, args, dict(mapping=4, users=(1, 2, 3),
+                                       candidates=(5, 6))
 
 
 def measure(name, case, iterations) -> dict:

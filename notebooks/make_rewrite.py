@@ -22,7 +22,7 @@ cells = [
         "args = (jax.random.normal(ks[0], (15, 512)), jnp.arange(1024, dtype=jnp.int32) % 15,\n"
         "        jax.random.normal(ks[1], (1024, 128)), jax.random.normal(ks[2], (640, 256)) / 25,\n"
         "        jax.random.normal(ks[3], (256, 1)) / 16)\n"
-        "where = dict(mapping_argnum=1, user_argnums=(0,))"),
+        "where = dict(mapping=1, users=(0,))"),
     nbf.v4.new_markdown_cell("## Before: the copy `[1024, 512]` of 15 users' features, then the "
                              "dense layer at batch B"),
     nbf.v4.new_code_cell("print(jax.make_jaxpr(model)(*args).pretty_print(use_color=False))"),

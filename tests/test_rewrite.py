@@ -18,6 +18,7 @@ from ikbo_jax import rewrite
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.data import pack_requests
 from ikbo_jax.models import Ranker, RankerConfig, RankingBatch
+from ikbo_jax.testing.rewrite_check import check_rewrite
 
 U, B = 3, 10
 IDS = jnp.array([2, 0, 1, 2, 2, 0, 1, 1, 0, 2], jnp.int32)  # unsorted
@@ -36,19 +37,14 @@ def _copies_of(fn, args, user_shape) -> int:
   return len(re.findall(pattern, text))
 
 
-def _check(fn, args, *, user_argnums, expect, user_shape=None, mapping_argnum=1, rtol=1e-5):
-  fast = rewrite.rewrite(fn, mapping_argnum=mapping_argnum, user_argnums=user_argnums)
-  np.testing.assert_allclose(jax.jit(fast)(*args), fn(*args), rtol=rtol, atol=rtol)
-  floats = [i for i, a in enumerate(args) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating)]
-  loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
-  got = jax.grad(loss(fast), argnums=floats)(*args)
-  want = jax.grad(loss(fn), argnums=floats)(*args)
-  for g, w in zip(got, want):
-    np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol)
-  report = rewrite.explain(fn, *args, mapping_argnum=mapping_argnum, user_argnums=user_argnums)
+def _check(fn, args, *, users, expect, user_shape=None, mapping=1, rtol=1e-5,
+           candidates=None):
+  report = check_rewrite(fn, args, mapping=mapping, users=users, candidates=candidates,
+                         rtol=rtol, atol=rtol)
   for kind in expect:
     assert report.count(kind) >= 1, (kind, str(report))
   if user_shape is not None:
+    fast = rewrite.rewrite(fn, mapping=mapping, users=users, candidates=candidates)
     assert _copies_of(fn, args, user_shape) >= 1, "the original should copy the user tensor"
     expected_copies = 0 if expect else 1
     assert (_copies_of(fast, args, user_shape) >= 1) == bool(expected_copies), str(report)
@@ -59,14 +55,14 @@ def test_dlrm_style_concat_and_mlp():
   def model(user, ids, cand, w1, w2):
     return jax.nn.relu(jnp.concatenate([user[ids], cand], axis=1) @ w1) @ w2
   args = (_normal(0, U, 8), IDS, _normal(1, B, 4), _normal(2, 12, 16), _normal(3, 16, 1))
-  _check(model, args, user_argnums=(0,), expect=["split_dense"], user_shape=(U, 8))
+  _check(model, args, users=(0,), expect=["split_dense"], user_shape=(U, 8))
 
 
 def test_linear_compression_over_a_concatenated_stack():
   def model(e_user, ids, e_cand, w):
     return jnp.einsum("mk,bkn->bmn", w, jnp.concatenate([e_user[ids], e_cand], axis=1))
   args = (_normal(0, U, 6, 5), IDS, _normal(1, B, 7, 5), _normal(2, 9, 13))
-  report = _check(model, args, user_argnums=(0,), expect=["linear_compression"],
+  report = _check(model, args, users=(0,), expect=["linear_compression"],
                   user_shape=(U, 6, 5))
   assert report.bytes_saved > 0
 
@@ -75,7 +71,7 @@ def test_linear_compression_with_the_stack_on_the_left():
   def model(e_user, ids, e_cand, w):
     return jnp.einsum("bkn,km->bnm", jnp.concatenate([e_user[ids], e_cand], axis=1), w)
   args = (_normal(0, U, 6, 5), IDS, _normal(1, B, 7, 5), _normal(2, 13, 9))
-  _check(model, args, user_argnums=(0,), expect=["linear_compression"], user_shape=(U, 6, 5))
+  _check(model, args, users=(0,), expect=["linear_compression"], user_shape=(U, 6, 5))
 
 
 def test_a_user_tower_runs_at_batch_u():
@@ -84,17 +80,28 @@ def test_a_user_tower_runs_at_batch_u():
     return jnp.sum(tower * cand, axis=-1)
   args = (_normal(0, U, 8), IDS, _normal(1, B, 6), _normal(2, 8, 6), _normal(3, 6),
           _normal(4, 6, 6))
-  report = _check(model, args, user_argnums=(0,), expect=["at_users"], user_shape=(U, 8))
+  report = _check(model, args, users=(0,), expect=["at_users"], user_shape=(U, 8))
   assert report.count("materialized") == 1 and report.flops_saved > 0
 
 
-def test_take_and_a_normalized_index_are_the_same_broadcast():
+def test_take_with_a_clamped_index_and_clip_mode_are_broadcasts():
   def model(user, ids, cand, w):
-    a = jnp.take(user, ids, axis=0) @ w
-    b = user[jnp.clip(ids, 0, U - 1)] @ w
-    return (a + b) * cand
+    a = jnp.take(user, jnp.clip(ids, 0, U - 1), axis=0) @ w  # fill mode, index known in range
+    b = jnp.take(user, ids, axis=0, mode="clip") @ w
+    return a * cand + b * cand
   args = (_normal(0, U, 8), IDS, _normal(1, B, 5), _normal(2, 8, 5))
-  _check(model, args, user_argnums=(0,), expect=["at_users"], user_shape=(U, 8))
+  report = _check(model, args, users=(0,), expect=["at_users"], user_shape=(U, 8))
+  assert report.count("broadcast") == 2
+
+
+def test_take_that_fills_runs_as_written_and_says_why():
+  def model(user, ids, w):
+    return jnp.take(user, ids, axis=0) @ w  # out-of-range ids give NaN rows
+  ids = IDS.at[3].set(7)
+  args = (_normal(0, U, 8), ids, _normal(2, 8, 5))
+  report = _check(model, args, users=(0,), expect=[])
+  (why,) = report.materialized
+  assert "jnp.clip(ids, 0, U - 1)" in why.reason and "test_rewrite.py" in why.where
 
 
 def _din_args(seed=0, s=12, f=8, t=2):
@@ -107,7 +114,7 @@ def test_din_style_target_attention_through_the_marker():
     heads = lambda x: x.reshape(*x.shape[:-1], 2, 4)
     k, v = heads(seq[ids] @ wk), heads(seq[ids] @ wv)
     return rewrite.attention(heads(cand @ wq), k, v, lengths[ids])
-  _check(model, _din_args(), user_argnums=(0, 6), expect=["target_attention"], rtol=1e-3,
+  _check(model, _din_args(), users=(0, 6), expect=["target_attention"], rtol=1e-3,
          user_shape=(U, 12, 8))
 
 
@@ -119,7 +126,7 @@ def test_self_and_target_attention_over_one_projected_sequence():
     encoded = rewrite.attention(heads(hist @ wq), k, v, n, causal=True)  # user rows: at U
     target = rewrite.attention(heads(cand @ wq), k, v, n)
     return jnp.sum(encoded, axis=1, keepdims=True) + target
-  report = _check(model, _din_args(1), user_argnums=(0, 6),
+  report = _check(model, _din_args(1), users=(0, 6),
                   expect=["target_attention", "at_users"], rtol=1e-3)
   assert report.count("target_attention") == 1
 
@@ -130,9 +137,9 @@ def test_embedding_lookups_are_not_broadcasts():
   table = _normal(1, 50, 8)
   items = jnp.arange(B, dtype=jnp.int32) * 3
   args = (_normal(0, U, 8), IDS, table, items)
-  report = _check(model, args, user_argnums=(0,), expect=[])
+  report = _check(model, args, users=(0,), expect=[])
   assert report.count("broadcast") == 1  # the mapping's gather only, not the lookup
-  text = jax.jit(rewrite.rewrite(model, mapping_argnum=1, user_argnums=(0,))).lower(
+  text = jax.jit(rewrite.rewrite(model, mapping=1, users=(0,))).lower(
       *args).as_text()
   assert "tensor<50x8xf32>" in text  # the lookup is still there
 
@@ -142,7 +149,7 @@ def test_a_model_without_broadcasts_is_unchanged():
     del ids
     return jax.nn.relu(cand @ w)
   args = (_normal(0, B, 4), IDS, _normal(1, 4, 3))
-  report = _check(model, args, user_argnums=(), expect=[], mapping_argnum=1)
+  report = _check(model, args, users=(), expect=[], mapping=1)
   assert not report.changes
 
 
@@ -153,14 +160,14 @@ def test_scan_and_cond_run_as_written():
     z, _ = jax.lax.scan(lambda c, row: (c + row, None), jnp.zeros(x.shape[1:]), y)
     return y * cand + z
   args = (_normal(0, U, 6), IDS, _normal(1, B, 6))
-  report = _check(model, args, user_argnums=(0,), expect=[], user_shape=(U, 6))
+  report = _check(model, args, users=(0,), expect=[], user_shape=(U, 6))
   assert report.count("materialized") >= 1
 
 
 def test_composes_with_vmap_over_weights():
   def model(user, ids, cand, w1):
     return jnp.concatenate([user[ids], cand], axis=1) @ w1
-  fast = rewrite.rewrite(model, mapping_argnum=1, user_argnums=(0,))
+  fast = rewrite.rewrite(model, mapping=1, users=(0,))
   args = (_normal(0, U, 8), IDS, _normal(1, B, 4))
   ws = _normal(2, 3, 12, 5)
   got = jax.vmap(fast, in_axes=(None, None, None, 0))(*args, ws)
@@ -180,12 +187,12 @@ def test_nnx_linear_user_tower():
   graphdef, state = nnx.split(Tower(nnx.Rngs(0)))
   fn = lambda user, ids, cand, state: nnx.merge(graphdef, state)(user, ids, cand)
   args = (_normal(0, U, 8), IDS, _normal(1, B, 4), state)
-  fast = rewrite.rewrite(fn, mapping_argnum=1, user_argnums=(0,))
+  fast = rewrite.rewrite(fn, mapping=1, users=(0,))
   np.testing.assert_allclose(fast(*args), fn(*args), rtol=1e-5, atol=1e-6)
   grad = lambda f: jax.grad(lambda s: jnp.sum(f(*args[:3], s) ** 2))(state)
   for g, w in zip(jax.tree.leaves(grad(fast)), jax.tree.leaves(grad(fn))):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
-  report = rewrite.explain(fn, *args, mapping_argnum=1, user_argnums=(0,))
+  report = rewrite.explain(fn, *args, mapping=1, users=(0,))
   assert report.count("at_users") and report.count("split_dense"), str(report)
 
 
@@ -203,7 +210,7 @@ def test_the_reference_models_standard_build():
 
   args = (state, batch.user_dense, batch.history, batch.history_len, batch.cand_to_user,
           batch.cand_items, batch.cand_dense)
-  where = dict(mapping_argnum=4, user_argnums=(1, 2, 3), candidate_argnums=(5, 6))
+  where = dict(mapping=4, users=(1, 2, 3), candidates=(5, 6))
   fast = rewrite.rewrite(standard, **where)
   mask = np.asarray(batch.candidate_mask())
   np.testing.assert_allclose(np.asarray(jax.jit(fast)(*args))[mask],
@@ -214,20 +221,20 @@ def test_the_reference_models_standard_build():
 
 
 def test_bad_arguments_are_named():
-  with pytest.raises(ValueError, match="mapping_argnum=0 is also in user_argnums"):
-    rewrite.rewrite(lambda a: a, mapping_argnum=0, user_argnums=(0,))
-  fast = rewrite.rewrite(lambda a, ids: a, mapping_argnum=1)
+  with pytest.raises(ValueError, match=r"mapping=0 is also selected by users=\(0,\)"):
+    rewrite.rewrite(lambda a: a, mapping=0, users=(0,))
+  fast = rewrite.rewrite(lambda a, ids: a, mapping=1)
   with pytest.raises(TypeError, match=r"must be an int\[B\] array, got float32"):
     fast(jnp.ones(3), jnp.ones(3))
 
 
-def test_a_select_on_the_mapping_is_not_mistaken_for_index_normalization():
+def test_a_select_on_the_mapping_is_a_new_index_gathered_with_as_written():
   def model(user, ids, cand):
     other = jnp.where(ids % 2 == 0, ids, ids + 1)  # not the mapping: ids + 1 for odd ids
-    return user[jnp.clip(other, 0, U - 1)] * cand
+    return jnp.tanh(user[jnp.clip(other, 0, U - 1)]) * cand
   args = (_normal(0, U, 4), IDS, _normal(1, B, 4))
-  report = _check(model, args, user_argnums=(0,), expect=[])
-  assert report.count("broadcast") == 0
+  report = _check(model, args, users=(0,), expect=["at_users"])
+  assert report.count("broadcast") == 1
 
 
 def test_nnx_multi_head_attention_through_the_attention_fn_hook():
@@ -238,10 +245,10 @@ def test_nnx_multi_head_attention_through_the_attention_fn_hook():
   fn = lambda seq, ids, cand, state: nnx.merge(graphdef, state)(cand, seq[ids])  # DIN: candidates query
   args = (_normal(0, U, 12, 8), IDS, _normal(1, B, 3, 8), state)
   np.testing.assert_allclose(fn(*args), plain(args[2], args[0][IDS]), rtol=1e-4, atol=1e-5)
-  fast = rewrite.rewrite(fn, mapping_argnum=1, user_argnums=(0,), candidate_argnums=(2,))
+  fast = rewrite.rewrite(fn, mapping=1, users=(0,), candidates=(2,))
   np.testing.assert_allclose(fast(*args), fn(*args), rtol=1e-4, atol=1e-5)
   grad = lambda f: jax.grad(lambda s: jnp.sum(f(*args[:3], s) ** 2))(state)
   for g, w in zip(jax.tree.leaves(grad(fast)), jax.tree.leaves(grad(fn))):
     np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-4)
-  report = rewrite.explain(fn, *args, mapping_argnum=1, user_argnums=(0,), candidate_argnums=(2,))
+  report = rewrite.explain(fn, *args, mapping=1, users=(0,), candidates=(2,))
   assert report.count("target_attention") == 1 and not report.count("materialized"), str(report)

@@ -1,13 +1,17 @@
 """Automatic IKBO: standard JAX code in, broadcast-free code out.
 
-`rewrite(fn, mapping_argnum=..., user_argnums=...)` traces `fn` and returns a
-function with the same signature and results in which gathers of user rows by
-the mapping (`user[cand_to_user]`, `jnp.take(user, cand_to_user, axis=0)`)
-are not materialized: row-wise user work after them runs at batch U, a dense
-layer on a concatenation of user and candidate features is split (and is
-`ikbo_jax.linear_compression` for a 3-D stack), and `ikbo_jax.rewrite.attention`
-over broadcast keys and values is `ikbo_jax.target_attention`. What it does
-not understand runs as written. `explain` reports each change.
+`rewrite(fn, mapping=..., users=...)` traces `fn` and returns a function with
+the same signature and results in which gathers of user rows
+(`user[cand_to_user]`, `jnp.take(user, ids, axis=0)`, `jnp.repeat(user, r,
+axis=0)`, ...) are not materialized: row-wise user work after them runs at
+batch U, a dense layer on a concatenation of user and candidate features is
+split (and is `ikbo_jax.linear_compression` for a 3-D stack), a pairwise
+product of such concatenations computes its user-user block at U, and
+`ikbo_jax.rewrite.attention` over broadcast keys and values is
+`ikbo_jax.target_attention`. Every change is an identity that holds for every
+input, custom derivative rules included; what it does not understand runs as
+written. `explain` reports each change and each broadcast it had to make real,
+with the reason.
 
 Example:
 
@@ -18,10 +22,10 @@ Example:
 ...   return x @ w
 >>> user, cand = jnp.ones((3, 8)), jnp.ones((10, 4))
 >>> ids, w = jnp.array([0, 1, 2, 0, 1, 2, 0, 1, 2, 0]), jnp.ones((12, 5))
->>> fast = rewrite.rewrite(model, mapping_argnum=1, user_argnums=(0,))
+>>> fast = rewrite.rewrite(model, mapping="cand_to_user", users="user")
 >>> bool(jnp.allclose(fast(user, ids, cand, w), model(user, ids, cand, w)))
 True
->>> print(rewrite.explain(model, user, ids, cand, w, mapping_argnum=1, user_argnums=(0,)))
+>>> print(rewrite.explain(model, user, ids, cand, w, mapping=1, users=0))
 ... # doctest: +ELLIPSIS
 IKBO rewrite: 1 at_users, 1 broadcast, 1 split_dense; ...
 """
@@ -29,66 +33,82 @@ IKBO rewrite: 1 at_users, 1 broadcast, 1 split_dense; ...
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from ikbo_jax.rewrite.marker import attention, flax_attention_fn
 from ikbo_jax.rewrite.interpreter import Rewriter
+from ikbo_jax.rewrite.marker import attention, flax_attention_fn
 from ikbo_jax.rewrite.report import Change, Report
-from ikbo_jax.rewrite.values import Mapping, Plain, materialize
+from ikbo_jax.rewrite.selectors import as_selectors, describe, leaf_paths, select
+from ikbo_jax.rewrite.values import Plain, materialize
 
 __all__ = ["Change", "Report", "attention", "explain", "flax_attention_fn", "rewrite"]
 
 
-def rewrite(fn: Callable, *, mapping_argnum: int, user_argnums: Sequence[int] = (),
-            candidate_argnums: Sequence[int] | None = None,
+def rewrite(fn: Callable, *, mapping, users=(), candidates=None,
             report: Report | None = None) -> Callable:
-  """`fn` with broadcasts of user rows by the mapping argument pushed into IKBO form.
+  """`fn` with broadcasts of user rows pushed into IKBO form.
+
+  The inputs are named by selectors (`ikbo_jax.rewrite.selectors`): an argument
+  position, a dotted path into the arguments' pytrees (`"batch.cand_to_user"`)
+  or a predicate `(path, leaf) -> bool`.
 
   Args:
-    fn: a function of arrays (and pytrees of arrays) to rewrite.
-    mapping_argnum: the position of `cand_to_user`, an `int[B]` array with ids in
-      `[0, U)` (out-of-range ids are clamped, as the IKBO ops do).
-    user_argnums: the positions of per-user inputs (leading axis U).
-    candidate_argnums: the positions of per-candidate inputs (leading axis B);
-      every other argument is batch-free (weights). Without it, any other array
-      leaf whose leading axis has size B counts as a candidate input, which is
-      safe but may keep a weight of that size from moving to batch U.
+    fn: a function of arrays and pytrees of arrays (dicts, dataclasses,
+      `nnx.State`, ...) to rewrite.
+    mapping: selects `cand_to_user`, one `int[B]` array.
+    users: selects the per-user inputs (leading axis U).
+    candidates: selects the per-candidate inputs (leading axis B); every other
+      input is batch-free (weights). Without it, any other array whose leading
+      axis has size B counts as a candidate input, which is safe but may keep a
+      weight of that size from moving to batch U.
     report: if given, each trace appends its changes to it.
 
   Returns:
-    A function with `fn`'s signature and results; it composes with `jax.jit`,
-    `jax.grad` (the backward runs through the IKBO ops' own VJPs) and `jax.vmap`.
+    A function with `fn`'s signature and results, for every input (ids out of
+    range included: each gather keeps its own out-of-range semantics). It
+    composes with `jax.jit`, `jax.grad` (the backward runs through the IKBO
+    ops' own VJPs), `jax.vmap` and `nnx.split`/`nnx.merge`. Forward-mode
+    derivatives (`jax.jvp`) of a rewrite that emits IKBO ops raise a
+    `TypeError` naming the op: take them of `fn` itself.
   """
-  if not isinstance(mapping_argnum, int) or isinstance(mapping_argnum, bool):
-    raise TypeError(f"mapping_argnum must be an int, got {mapping_argnum!r}")
-  if mapping_argnum in user_argnums:
-    raise ValueError(f"mapping_argnum={mapping_argnum} is also in user_argnums={user_argnums}")
+  mapping_selectors = as_selectors("mapping", mapping)
+  user_selectors = as_selectors("users", users)
+  cand_selectors = None if candidates is None else as_selectors("candidates", candidates)
+  if len(mapping_selectors) != 1:
+    raise TypeError(f"mapping must be one selector, got {mapping!r}")
+  if not callable(mapping) and mapping in user_selectors:
+    raise ValueError(f"mapping={mapping!r} is also selected by users={users!r}")
 
   @functools.wraps(fn)
   def rewritten(*args):
-    if not 0 <= mapping_argnum < len(args):
-      raise ValueError(f"mapping_argnum={mapping_argnum} but fn got {len(args)} arguments")
-    ids = args[mapping_argnum]
-    if np.ndim(ids) != 1 or not np.issubdtype(jax.numpy.asarray(ids).dtype, np.integer):
-      raise TypeError(f"argument {mapping_argnum} (the mapping) must be an int[B] array, got "
-                      f"{getattr(ids, 'dtype', type(ids).__name__)} of shape {np.shape(ids)}")
+    leaves, paths = leaf_paths(fn, args)
+    is_mapping = select(mapping_selectors, paths, leaves)
+    hits = [i for i, hit in enumerate(is_mapping) if hit]
+    if len(hits) != 1:
+      raise ValueError(f"mapping={mapping!r} must select one array of fn's arguments, it "
+                       f"selects {len(hits)}: {describe([paths[i] for i in hits])}")
+    (where,) = hits
+    ids = leaves[where]
+    if np.ndim(ids) != 1 or not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
+      raise TypeError(f"mapping={mapping!r} ({paths[where][-1]}) must be an int[B] array, got "
+                      f"{jnp.result_type(ids)} of shape {np.shape(ids)}")
+    is_user = select(user_selectors, paths, leaves)
+    if is_user[where]:
+      raise ValueError(f"mapping={mapping!r} ({paths[where][-1]}) is also selected by "
+                       f"users={users!r}")
     num_candidates = np.shape(ids)[0]
+    if cand_selectors is not None:
+      is_cand = select(cand_selectors, paths, leaves)
+    else:
+      is_cand = [np.ndim(x) > 0 and np.shape(x)[0] == num_candidates for x in leaves]
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    interpreted = []
-    for i, arg in enumerate(args):
-      for leaf in jax.tree.leaves(arg):
-        if i == mapping_argnum:
-          interpreted.append(Mapping(jax.numpy.asarray(leaf), (num_candidates,)))
-        else:
-          if candidate_argnums is not None:
-            candidate = i in candidate_argnums
-          else:
-            candidate = (i not in user_argnums and np.ndim(leaf) > 0
-                         and np.shape(leaf)[0] == num_candidates)
-          interpreted.append(Plain(leaf, candidate))
+    interpreted = [Plain(x, at_b=True, mapped=True) if i == where else
+                   Plain(x, at_u=True) if is_user[i] else Plain(x, at_b=bool(is_cand[i]))
+                   for i, x in enumerate(leaves)]
     rewriter = Rewriter(report if report is not None else Report())
     outs = rewriter.eval_jaxpr(closed.jaxpr, closed.consts, interpreted)
     return jax.tree.unflatten(jax.tree.structure(out_shape), [materialize(o) for o in outs])
@@ -96,10 +116,13 @@ def rewrite(fn: Callable, *, mapping_argnum: int, user_argnums: Sequence[int] = 
   return rewritten
 
 
-def explain(fn: Callable, *args, mapping_argnum: int, user_argnums: Sequence[int] = (),
-            candidate_argnums: Sequence[int] | None = None) -> Report:
-  """What `rewrite` changes in `fn` for arguments like `args` (traced abstractly, not run)."""
+def explain(fn: Callable, *args, mapping, users=(), candidates=None) -> Report:
+  """What `rewrite` changes in `fn` for arguments like `args` (traced abstractly, not run).
+
+  Every broadcast made real is listed (`Report.materialized`) with the
+  primitive that needed it and the reason no rule moved it.
+  """
   report = Report()
-  jax.make_jaxpr(rewrite(fn, mapping_argnum=mapping_argnum, user_argnums=user_argnums,
-                         candidate_argnums=candidate_argnums, report=report))(*args)
+  jax.make_jaxpr(rewrite(fn, mapping=mapping, users=users, candidates=candidates,
+                         report=report))(*args)
   return report

@@ -3,34 +3,47 @@
 In the style of `jax.experimental.sparse`'s `sparsify`: the function is traced
 to a jaxpr once, then evaluated equation by equation on interpreted values
 (`values.py`), with the operands of each equation given to its primitive's
-rule (`rules.py`). Nested `jit`s and `custom_jvp`/`custom_vjp` calls whose
-operands carry broadcasts are evaluated inline, so their insides can move to
-batch U; everything without a rule (including `scan`, `cond`, `while`) gets its
-broadcasts made real and runs exactly as written.
+rule. A rule returns the interpreted results, returns None (it does not apply)
+or raises `Decline` with a reason; in both of the last cases, and if a rule
+fails in any other way, the equation runs exactly as written on materialized
+operands and the report says why. Nested `jit`s are evaluated inline; custom
+derivative rules, `checkpoint` and `cond` are entered with their semantics
+kept (`higher_order.py`).
+
+Integer equations on ordinary values are evaluated once per distinct input
+(common subexpressions are shared), so that every `x[ids]` of a program, each
+of which normalizes the mapping again, gathers with one and the same index,
+which later rules recognize by identity.
 """
 
 from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax._src import source_info_util
 from jax.extend import core as jex_core
 
-from ikbo_jax.rewrite import marker, rules
-from ikbo_jax.rewrite.report import Report
-from ikbo_jax.rewrite.values import (Broadcast, Concat, Mapping, Negative, Plain, RowConstant,
-                                     Shifted, at_b, materialize)
+from ikbo_jax.rewrite import dense, gathers, higher_order, marker, rules
+from ikbo_jax.rewrite.report import Decline, Report
+from ikbo_jax.rewrite.values import LAZY, Broadcast, Concat, Plain, lineage, materialize
 
-_LAZY = (Broadcast, Concat, Mapping, Negative, Shifted, RowConstant)
-_MAKERS = ("broadcast_in_dim", "iota")
+
+_MAKERS = frozenset({"broadcast_in_dim", "iota", "gather"})
+_RULES = {**rules.RULES, **dense.RULES, "gather": gathers.gather}
+_HIGHER_ORDER = {**higher_order.RULES}
+_NOT_SHARED = frozenset({"rng_uniform", "rng_bit_generator", "random_seed", "random_bits"})
 
 
 class Rewriter:
-  """Evaluates jaxprs with broadcasts of one mapping kept lazy."""
+  """Evaluates jaxprs with broadcasts of user rows kept lazy."""
 
   def __init__(self, report: Report):
     self.report = report
-    self.num_users: int | None = None
+    self.entered: dict = {}  # custom_jvp calls inside their own rules (`higher_order.py`)
+    self._memo: dict = {}
 
   def eval_jaxpr(self, jaxpr, consts, args):
     env = {}
@@ -46,44 +59,82 @@ class Rewriter:
     return [read(v) for v in jaxpr.outvars]
 
   def eval_eqn(self, eqn, operands):
-    # Constants along the batch axis are tracked from where they are made.
-    if any(isinstance(v, _LAZY) for v in operands) or eqn.primitive.name in _MAKERS:
-      outs = self._apply_rules(eqn, operands)
+    name = eqn.primitive.name
+    lazy = any(isinstance(v, LAZY) for v in operands)
+    if name in ("jit", "pjit") and not marker.is_marker(eqn):
+      closed = eqn.params["jaxpr"]
+      self.report.context.append(source_info_util.summarize(eqn.source_info))
+      try:
+        return self.eval_jaxpr(closed.jaxpr, closed.consts, operands)
+      finally:
+        self.report.context.pop()
+    reason = None
+    if lazy or name in _MAKERS:
+      try:
+        outs = self._apply_rule(eqn, operands)
+      except Decline as declined:
+        outs, reason = None, str(declined)
+        if not lazy:  # a gather that stays one: the copy it makes is what a broadcast avoids
+          self.report.add("materialized", eqn, reason=reason, bytes_saved=-sum(
+              math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize for v in eqn.outvars))
+      except Exception as error:  # a rule that fails is a bug in the rule, not in the program
+        outs, reason = None, f"the {name} rule failed ({type(error).__name__}: {error})"
       if outs is not None:
         return outs
-    return self.default(eqn, operands)
+    return self.default(eqn, operands, reason or f"no rule moves {name} on these operands")
 
-  def _apply_rules(self, eqn, operands):
+  def _apply_rule(self, eqn, operands):
     name = eqn.primitive.name
-    if name in ("jit", "pjit"):
-      if marker.is_marker(eqn):
-        outs = marker.rule(self, eqn, operands)
-        if outs is not None:
-          return outs
-      closed = eqn.params["jaxpr"]
-      return self.eval_jaxpr(closed.jaxpr, closed.consts, operands)
-    if name in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"):
-      # Inline: the ops inside move to batch U. The custom derivative rule is
-      # lost for this call; the primal ops' own derivatives are used instead
-      # (for activations such as relu they differ at measure-zero points only).
-      closed = eqn.params.get("call_jaxpr") or eqn.params["fun_jaxpr"]
-      return self.eval_jaxpr(closed.jaxpr, closed.consts, operands)
-    rule = rules.RULES.get(name)
-    outs = rule(self, eqn, operands) if rule else None
-    if outs is None and any(isinstance(v, (Mapping, Negative, Shifted)) for v in operands):
-      outs = rules.mapping_ops(self, eqn, operands)
-    return outs
+    if marker.is_marker(eqn):
+      return marker.rule(self, eqn, operands)
+    rule = _HIGHER_ORDER.get(name) or _RULES.get(name)
+    return rule(self, eqn, operands) if rule else None
 
-  def default(self, eqn, operands):
+  def default(self, eqn, operands, reason: str = ""):
     """The equation as written, on ordinary arrays."""
     for v in operands:
       if isinstance(v, (Broadcast, Concat)):
-        self.report.add("materialized", eqn, bytes_saved=-_bytes(v))
+        self.report.add("materialized", eqn, bytes_saved=-_bytes(v), reason=reason)
+    key = self._shared_key(eqn, operands)
+    if key is not None and key in self._memo:
+      return self._memo[key][0]
     arrays = [materialize(v) for v in operands]
     outs = eqn.primitive.bind(*arrays, **eqn.primitive.get_bind_params(eqn.params))
-    outs = outs if eqn.primitive.multiple_results else [outs]
-    candidate = any(at_b(v) for v in operands)
-    return [Plain(o, candidate) for o in outs]
+    outs = lineage(operands, outs if eqn.primitive.multiple_results else [outs])
+    if len(outs) == 1 and (known := gathers.bounds(eqn, operands)) is not None:
+      o = outs[0]
+      outs = [Plain(o.value, o.at_b, o.at_u, o.mapped, known)]
+    if key is not None:
+      self._memo[key] = (outs, operands)  # the operands stay alive: their ids stay unique
+    return outs
+
+  def memo(self, tag, value, compute):
+    """`compute(value)`, once per `(tag, value)`: derived indices keep one identity."""
+    key = (tag, id(value))
+    if key not in self._memo:
+      self._memo[key] = (compute(value), value)
+    return self._memo[key][0]
+
+  def _shared_key(self, eqn, operands):
+    """A key under which equal integer equations share one result, or None."""
+    if (eqn.effects or eqn.primitive.name in _NOT_SHARED or not eqn.outvars or any(
+        not (jnp.issubdtype(v.aval.dtype, jnp.integer) or v.aval.dtype == jnp.bool_)
+        for v in eqn.outvars)):
+      return None
+    keys = []
+    for v in operands:
+      if not isinstance(v, Plain):
+        return None
+      if not isinstance(v.value, jax.core.Tracer) and np.ndim(v.value) == 0:  # a literal
+        keys.append(("literal", np.asarray(v.value).dtype.str, np.asarray(v.value).item()))
+      else:
+        keys.append(id(v.value))
+    try:
+      key = ("eqn", eqn.primitive.name, tuple(sorted(eqn.params.items())), tuple(keys))
+      hash(key)
+    except TypeError:
+      return None
+    return key
 
   def moved(self, eqn, out, like: Broadcast) -> None:
     """Records that `eqn` ran at batch U (with the FLOPs it saved, for products)."""

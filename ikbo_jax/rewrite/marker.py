@@ -17,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ikbo_jax.rewrite.report import Decline
 from ikbo_jax.rewrite.values import Broadcast, Plain, RowConstant
 
 _PREFIX = "ikbo_marked_attention_"
@@ -97,18 +98,24 @@ def rule(rw, eqn, operands):
   q, k, v, *kv_len = operands
   if not (isinstance(k, Broadcast) and isinstance(v, Broadcast) and k.ids is v.ids
           and k.axis == v.axis == 0):
-    return None
+    raise Decline("its keys and values are not broadcasts by one index")
   if kv_len and not (isinstance(kv_len[0], Broadcast) and kv_len[0].ids is k.ids):
-    return None
-  users = [k.user, v.user] + [kv_len[0].user] if kv_len else [k.user, v.user]
+    raise Decline("its key lengths are not a broadcast by the keys' index")
+  lengths = [kv_len[0].user] if kv_len else []
   if isinstance(q, Broadcast) and q.ids is k.ids and q.axis == 0:  # all user rows: run at U
-    out = _marked(causal, scale, implementation)(q.user, *users)
+    out = _marked(causal, scale, implementation)(q.user, k.user, v.user, *lengths)
     rw.report.add("at_users", eqn)
     return [q.like(out)]
-  if causal or not isinstance(q, (Plain, RowConstant)):
-    return None
+  if causal:
+    raise Decline("causal attention of candidate queries over user keys")
+  if not isinstance(q, (Plain, RowConstant)):
+    raise Decline("its queries are neither candidate values nor user rows of the keys' index")
   q = q.value if isinstance(q, Plain) else q.materialize()
-  out = target_attention(q, k.user, v.user, CandidateIndex.from_mapping(k.ids, rw.num_users),
-                         kv_len=kv_len[0].user if kv_len else None, scale=scale)
+  k_user, v_user = k.user, v.user
+  if q.shape[2] != k_user.shape[2]:  # grouped queries: each key head serves a group, as in jax.nn
+    group = q.shape[2] // k_user.shape[2]
+    k_user, v_user = (jnp.repeat(x, group, axis=2) for x in (k_user, v_user))
+  out = target_attention(q, k_user, v_user, CandidateIndex.from_mapping(k.ids, k.num_users),
+                         kv_len=lengths[0] if lengths else None, scale=scale)
   rw.report.add("target_attention", eqn)
   return [Plain(out.astype(eqn.outvars[0].aval.dtype), True)]

@@ -1,4 +1,4 @@
-"""`Report`: what a rewrite changed, where in the user's code, and what it saved."""
+"""`Report`: what a rewrite changed, where in the user's code, what it saved, and what it could not."""
 
 from __future__ import annotations
 
@@ -7,16 +7,22 @@ import dataclasses
 from jax._src import source_info_util
 
 
+class Decline(Exception):
+  """A rule's reason for leaving an equation as written (recorded with the materialization)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Change:
   """One decision of the rewrite.
 
-  `kind` is one of: "broadcast" (a gather by the mapping, kept lazy; its copy's
-  bytes count as saved),
-  "at_users" (an op run at batch U instead of B), "linear_compression",
-  "split_dense" (a dense layer on a concat, user half at U), "target_attention",
-  "materialized" (a broadcast made real because a consumer needs it; its bytes
-  count against).
+  `kind` is one of: "broadcast" (a gather of user rows, kept lazy; its copy's
+  bytes count as saved), "at_users" (an op run at batch U instead of B),
+  "linear_compression", "split_dense" (a dense layer on a concat, user half at
+  U), "block_product" (a product of two concats, user-user block at U),
+  "target_attention", "entered" (a custom derivative rule, `checkpoint` or
+  `cond` rewritten inside with its semantics kept), "materialized" (a
+  broadcast made real because a consumer needs it; its bytes count against,
+  and `reason` says which rule declined and why).
   """
 
   kind: str
@@ -24,19 +30,30 @@ class Change:
   where: str
   bytes_saved: int = 0
   flops_saved: int = 0
+  reason: str = ""
 
 
 @dataclasses.dataclass
 class Report:
   changes: list[Change] = dataclasses.field(default_factory=list)
+  # Where the library functions being evaluated were called from (their own equations
+  # have no source line of the user's).
+  context: list[str] = dataclasses.field(default_factory=list, repr=False)
 
-  def add(self, kind: str, eqn, *, bytes_saved: int = 0, flops_saved: int = 0) -> None:
-    where = source_info_util.summarize(eqn.source_info) if eqn is not None else "?"
+  def add(self, kind: str, eqn, *, bytes_saved: int = 0, flops_saved: int = 0,
+          reason: str = "") -> None:
+    where = source_info_util.summarize(eqn.source_info) if eqn is not None else ""
+    where = where or next((w for w in reversed(self.context) if w), "?")
     name = eqn.primitive.name if eqn is not None else "-"
-    self.changes.append(Change(kind, name, where, int(bytes_saved), int(flops_saved)))
+    self.changes.append(Change(kind, name, where, int(bytes_saved), int(flops_saved), reason))
 
   def count(self, kind: str) -> int:
     return sum(c.kind == kind for c in self.changes)
+
+  @property
+  def materialized(self) -> list[Change]:
+    """Every broadcast made real, with the primitive that needed it and why no rule applied."""
+    return [c for c in self.changes if c.kind == "materialized"]
 
   @property
   def bytes_saved(self) -> int:
@@ -54,5 +71,6 @@ class Report:
     for c in self.changes:
       if c.kind != "at_users":  # one line per op moved would drown the rest
         saved = f" ({c.bytes_saved / 1e6:.2f} MB)" if c.bytes_saved else ""
-        lines.append(f"  {c.kind:18s} {c.primitive:14s} {c.where}{saved}")
+        why = f": {c.reason}" if c.reason else ""
+        lines.append(f"  {c.kind:18s} {c.primitive:14s} {c.where}{saved}{why}")
     return "\n".join(lines)

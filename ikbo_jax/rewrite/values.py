@@ -2,25 +2,25 @@
 
 Every jaxpr variable is interpreted as one of:
 
-* `Plain`: an ordinary array. `at_b` says whether it may have rows at the
-  candidate batch B (it depends on a candidate input); a plain value with
-  `at_b=False` is batch-free (weights, constants) or lives at the user batch.
-* `Mapping`: the declared `cand_to_user` (possibly normalized the way indexing
-  normalizes negative ids, reshaped to `[B, 1]` or converted): a gather by it
-  is a broadcast of user rows.
-* `Shifted`, `Negative`: `mapping + c` and `mapping < 0`, the other branch
-  and the predicate of that normalization.
-* `Broadcast`: a value at B that is `take(user, mapping, axis)`: its rows are
-  user rows, never materialized unless a consumer needs them.
-* `RowConstant`: a batch-free value constant along some axes (a bias
-  broadcast to `[B, F]`, a mask built from `iota`): along such an axis it is
-  the same value at U rows as at B.
-* `Concat`: a concatenation along a feature axis of broadcasts and candidate
-  values, kept apart for a dense layer that follows it (linear compression).
+* `Plain`: an ordinary array, with where it comes from: `at_b` if it depends
+  on a candidate input (it may vary along the candidate batch B), `at_u` if it
+  depends on a user input, `mapped` if it depends on the declared mapping.
+  A value with none of them is batch-free (a weight, a constant).
+* `Broadcast`: a value at B that is `take(user, ids, axis, mode="clip")` for
+  an integer index vector `ids`: its rows are user rows, never materialized
+  unless a consumer needs them. The index is whatever the program gathered
+  with, computed as written (the declared mapping, a clamp of it, the
+  normalization of negative ids, `jnp.repeat`'s index, ...), so a broadcast is
+  exactly the original gather for every input, valid or not.
+* `RowConstant`: a value constant along some axes (a bias broadcast to
+  `[B, F]`, a mask built from `iota`, a user row repeated `r` times): along
+  such an axis it is the same value at U rows as at B.
+* `Concat`: a concatenation along a feature axis of broadcasts and other
+  values, kept apart for a dense layer that follows it.
 
-The rewrite assumes that every id of the mapping lies in `[0, U)`: where the
-original code would fill (`jnp.take`) or wrap (negative indexing) an
-out-of-range id, the rewritten code clamps it, as the IKBO ops do.
+Every value type is a pytree whose leaves are its arrays, so that nested
+functions (custom derivative rules, `cond` branches, `checkpoint` bodies) can
+take lazy values apart and rebuild them on their own tracers (`closure.py`).
 """
 
 from __future__ import annotations
@@ -31,41 +31,28 @@ import jax
 import jax.numpy as jnp
 
 
-@dataclasses.dataclass(frozen=True)
+def _pytree(*, data: tuple[str, ...], meta: tuple[str, ...]):
+  def register(cls):
+    cls = dataclasses.dataclass(frozen=True, eq=False)(cls)
+    return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
+  return register
+
+
+@_pytree(data=("value",), meta=("at_b", "at_u", "mapped", "bounds"))
 class Plain:
   value: jax.Array
   at_b: bool = False
+  at_u: bool = False
+  mapped: bool = False
+  bounds: tuple[int, int] | None = None  # static [lo, hi] of an integer value, where known
 
 
-@dataclasses.dataclass(frozen=True)
-class Mapping:
-  ids: jax.Array  # int[B], the declared mapping
-  shape: tuple[int, ...]  # its shape here: (B,) or (B, 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class Shifted:
-  """`mapping + offset`: with a `Mapping` the two branches of negative-id wrapping."""
-
-  ids: jax.Array
-  offset: jax.Array
-  shape: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Negative:
-  """`mapping < 0`: the predicate of negative-id wrapping (all false for valid ids)."""
-
-  ids: jax.Array
-  shape: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
+@_pytree(data=("user", "ids"), meta=("axis",))
 class Broadcast:
-  """`take(user, ids, axis)`: user rows at B; `user.shape[axis]` is U."""
+  """`take(user, ids, axis, mode="clip")`: user rows at B; `user.shape[axis]` is U."""
 
   user: jax.Array
-  ids: jax.Array
+  ids: jax.Array  # int[B]
   axis: int = 0
 
   @property
@@ -74,6 +61,10 @@ class Broadcast:
     s[self.axis] = self.ids.shape[0]
     return tuple(s)
 
+  @property
+  def num_users(self) -> int:
+    return self.user.shape[self.axis]
+
   def materialize(self) -> jax.Array:
     return jnp.take(self.user, self.ids, axis=self.axis, mode="clip")
 
@@ -81,16 +72,17 @@ class Broadcast:
     return Broadcast(user, self.ids, self.axis if axis is None else axis)
 
 
-@dataclasses.dataclass(frozen=True)
+@_pytree(data=("compact",), meta=("shape", "at_u"))
 class RowConstant:
-  """A batch-free value that is constant along some axes (a broadcast bias, an iota mask).
+  """A value that is constant along some axes (a broadcast bias, an iota mask).
 
   `compact` has the full rank and size 1 along every axis the value is constant
-  on; `shape` is the full shape.
+  on; `shape` is the full shape. `at_u` if it depends on a user input.
   """
 
   compact: jax.Array
   shape: tuple[int, ...]
+  at_u: bool = False
 
   def varies_along(self, axis: int) -> bool:
     return self.compact.shape[axis] != 1
@@ -104,31 +96,54 @@ class RowConstant:
     return jax.lax.broadcast_in_dim(self.compact, tuple(shape), tuple(range(len(shape))))
 
 
-@dataclasses.dataclass(frozen=True)
+@_pytree(data=("parts", "ids"), meta=("dimension",))
 class Concat:
-  """`concatenate(parts, dimension)` at B, kept apart; parts are `Broadcast` or `Plain`."""
+  """`concatenate(parts, dimension)` at B, kept apart; parts are `Broadcast` (of `ids`) or other."""
 
   parts: tuple
-  dimension: int
   ids: jax.Array
+  dimension: int
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    s = list(part_shape(self.parts[0]))
+    s[self.dimension] = sum(part_shape(p)[self.dimension] for p in self.parts)
+    return tuple(s)
 
   def materialize(self) -> jax.Array:
     return jax.lax.concatenate([materialize(p) for p in self.parts], self.dimension)
 
 
+LAZY = (Broadcast, RowConstant, Concat)
+
+
+def part_shape(v) -> tuple[int, ...]:
+  return tuple(v.value.shape) if isinstance(v, Plain) else tuple(v.shape)
+
+
 def materialize(v) -> jax.Array:
   """The ordinary array a value stands for."""
-  if isinstance(v, Plain):
-    return v.value
-  if isinstance(v, Mapping):
-    return v.ids.reshape(v.shape)
-  if isinstance(v, Shifted):
-    return (v.ids + v.offset).reshape(v.shape)
-  if isinstance(v, Negative):
-    return (v.ids < 0).reshape(v.shape)
-  return v.materialize()
+  return v.value if isinstance(v, Plain) else v.materialize()
 
 
 def at_b(v) -> bool:
   """Whether `v`, as an ordinary array, may vary along a candidate batch axis."""
   return not (isinstance(v, RowConstant) or (isinstance(v, Plain) and not v.at_b))
+
+
+def at_u(v) -> bool:
+  """Whether `v` depends on a user input."""
+  return isinstance(v, (Broadcast, Concat)) or getattr(v, "at_u", False)
+
+
+def mapped(v) -> bool:
+  """Whether `v` depends on the declared mapping."""
+  return isinstance(v, (Broadcast, Concat)) or getattr(v, "mapped", False)
+
+
+def lineage(operands, outs) -> list[Plain]:
+  """`outs` as `Plain` values that inherit the lineage of `operands`."""
+  b = any(at_b(v) for v in operands)
+  u = any(at_u(v) for v in operands)
+  m = any(mapped(v) for v in operands)
+  return [Plain(o, b, u, m) for o in outs]

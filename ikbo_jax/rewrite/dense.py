@@ -1,0 +1,164 @@
+"""Products: dense layers on broadcasts, on concatenations of user and candidate features, and
+pairwise products of such concatenations.
+
+`dot_general` is linear in each operand and acts on the rows of its free axes
+independently, so a product whose candidate axis is a free axis of a broadcast
+operand is the broadcast of the product at U. A concatenation along a
+contracted axis splits the weight (`split_dense`, `linear_compression` for a
+3-D stack); a product of two concatenations along free axes is a block matrix
+whose user-user block runs at U (`block_product`, a DLRM-style interaction).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ikbo_jax.rewrite.report import Decline
+from ikbo_jax.rewrite.rules import parts_sizes
+from ikbo_jax.rewrite.values import Broadcast, Concat, Plain, materialize
+
+
+def _free_dims(rank, contracting, batch):
+  return [d for d in range(rank) if d not in contracting and d not in batch]
+
+
+def dot_general(rw, eqn, operands):
+  lhs, rhs = operands
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  if isinstance(lhs, Concat) and isinstance(rhs, Concat):
+    return block_product(rw, eqn, lhs, rhs)
+  if isinstance(lhs, Concat) or isinstance(rhs, Concat):
+    return split_dense(rw, eqn, lhs, rhs)
+  bind = lambda a, b: eqn.primitive.bind(a, b, **eqn.params)
+  if isinstance(lhs, Broadcast) and isinstance(rhs, Broadcast):
+    if (lhs.ids is rhs.ids and lhs.axis in lb and rhs.axis in rb
+        and lb.index(lhs.axis) == rb.index(rhs.axis)):
+      out = bind(lhs.user, rhs.user)
+      rw.moved(eqn, out, lhs)
+      return [lhs.like(out, lb.index(lhs.axis))]
+    raise Decline("its operands are broadcasts by different indices or along different axes")
+  if isinstance(lhs, Broadcast) and isinstance(rhs, Plain):
+    if lhs.axis in lc or lhs.axis in lb:
+      raise Decline("the candidate axis is contracted or batched against a candidate value")
+    axis = len(lb) + _free_dims(lhs.user.ndim, lc, lb).index(lhs.axis)
+    out = bind(lhs.user, rhs.value)
+    rw.moved(eqn, out, lhs)
+    return [lhs.like(out, axis)]
+  if isinstance(rhs, Broadcast) and isinstance(lhs, Plain):
+    if rhs.axis in rc or rhs.axis in rb:
+      raise Decline("the candidate axis is contracted or batched against a candidate value")
+    axis = (len(lb) + len(_free_dims(np.ndim(lhs.value), lc, lb))
+            + _free_dims(rhs.user.ndim, rc, rb).index(rhs.axis))
+    out = bind(lhs.value, rhs.user)
+    rw.moved(eqn, out, rhs)
+    return [rhs.like(out, axis)]
+  return None
+
+
+def split_dense(rw, eqn, lhs, rhs):
+  """A dense layer on `concat([user[ids], cand], k)`: the user half runs at U.
+
+  With a 3-D stack concatenated and contracted on axis 1 against a matrix,
+  this is linear compression and runs as the IKBO op; otherwise the weight is
+  split by the concatenation and the user product is added by index.
+  """
+  from ikbo_jax.index import CandidateIndex
+  from ikbo_jax.ops.linear_compression import linear_compression
+
+  stack, weight, stack_is_lhs = (lhs, rhs, True) if isinstance(lhs, Concat) else (rhs, lhs, False)
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  s_contract, w_contract = (lc, rc) if stack_is_lhs else (rc, lc)
+  if not isinstance(weight, Plain) or weight.at_b or lb or rb:
+    raise Decline("the other operand of the concatenation is not a weight")
+  if stack.dimension not in s_contract or 0 in s_contract:
+    raise Decline("the concatenation axis is not contracted, or the candidate axis is")
+  w_axis = w_contract[s_contract.index(stack.dimension)]
+  starts = np.concatenate([[0], np.cumsum(parts_sizes(stack))])
+  w_slice = lambda i: jax.lax.slice_in_dim(weight.value, int(starts[i]), int(starts[i + 1]),
+                                           axis=w_axis)
+  user_idx = [i for i, p in enumerate(stack.parts) if isinstance(p, Broadcast)]
+  cand_idx = [i for i, p in enumerate(stack.parts) if not isinstance(p, Broadcast)]
+  e_user = _concat([stack.parts[i].user for i in user_idx], stack.dimension)
+  w_user = _concat([w_slice(i) for i in user_idx], w_axis)
+  e_cand = _concat([materialize(stack.parts[i]) for i in cand_idx], stack.dimension)
+  w_cand = _concat([w_slice(i) for i in cand_idx], w_axis)
+  num_users = stack.parts[user_idx[0]].num_users
+  out_aval = eqn.outvars[0].aval
+  if (np.ndim(e_cand) == 3 and stack.dimension == 1 and np.ndim(weight.value) == 2
+      and s_contract == (1,)):
+    as_mk = (lambda w: w) if w_axis == 1 else (lambda w: w.T)
+    dtype = e_cand.dtype
+    out = linear_compression(as_mk(w_user).astype(dtype), as_mk(w_cand).astype(dtype),
+                             e_user.astype(dtype), e_cand,
+                             CandidateIndex.from_mapping(stack.ids, num_users))  # [B, M, N]
+    out = jnp.transpose(out, (0, 2, 1) if stack_is_lhs else (1, 0, 2))
+    rw.report.add("linear_compression", eqn)
+    return [Plain(out.astype(out_aval.dtype), True)]
+  bind = lambda s, w: eqn.primitive.bind(*((s, w) if stack_is_lhs else (w, s)), **eqn.params)
+  user_part = bind(e_user, w_user)  # at U: its rows are users
+  # Where the stack's rows land in the product: first when it is the left operand, else
+  # after the weight's free axes.
+  axis = 0 if stack_is_lhs else np.ndim(weight.value) - len(w_contract)
+  out = jnp.take(user_part, stack.ids, axis=axis, mode="clip") + bind(e_cand, w_cand)
+  rw.report.add("split_dense", eqn)
+  return [Plain(out.astype(out_aval.dtype), True)]
+
+
+def block_product(rw, eqn, lhs: Concat, rhs: Concat):
+  """`x @ y` for stacks `x`, `y` of user and candidate parts, batched over candidates.
+
+  Each output element is one product of a row of `x` and a column of `y`, so
+  the output is the block matrix of the parts' products; a block of two user
+  parts is the broadcast of its product at U. Runs of consecutive parts of one
+  kind are joined first, so `[user..., candidate...]` is a 2 x 2 block matrix.
+  """
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  if lhs.ids is not rhs.ids or lb[:1] != (0,) or rb[:1] != (0,):
+    raise Decline("the two concatenations are not batched over the same candidates")
+  if lhs.dimension in lc + lb or rhs.dimension in rc + rb:
+    raise Decline("a concatenation axis is contracted or batched")
+  bind = lambda a, b: eqn.primitive.bind(a, b, **eqn.params)
+  l_free, r_free = _free_dims(len(lhs.shape), lc, lb), _free_dims(len(rhs.shape), rc, rb)
+  l_axis = len(lb) + l_free.index(lhs.dimension)
+  r_axis = len(lb) + len(l_free) + r_free.index(rhs.dimension)
+  rows = []
+  for a in _runs(lhs):
+    blocks = []
+    for b in _runs(rhs):
+      if isinstance(a, Broadcast) and isinstance(b, Broadcast):
+        block = bind(a.user, b.user)
+        rw.moved(eqn, block, a)
+        blocks.append(jnp.take(block, lhs.ids, axis=0, mode="clip"))
+      else:
+        blocks.append(bind(materialize(a), materialize(b)))
+    rows.append(_concat(blocks, r_axis))
+  rw.report.add("block_product", eqn)
+  return [Plain(_concat(rows, l_axis).astype(eqn.outvars[0].aval.dtype), True)]
+
+
+def _runs(stack: Concat):
+  """The stack's parts with consecutive user parts (and consecutive others) joined."""
+  runs, kinds = [], []
+  for part in stack.parts:
+    kind = isinstance(part, Broadcast)
+    if kinds and kinds[-1] == kind:
+      runs[-1].append(part)
+    else:
+      runs.append([part])
+      kinds.append(kind)
+  joined = []
+  for kind, run in zip(kinds, runs):
+    if kind:
+      joined.append(run[0].like(_concat([p.user for p in run], stack.dimension)))
+    else:
+      joined.append(Plain(_concat([materialize(p) for p in run], stack.dimension), True))
+  return joined
+
+
+def _concat(xs, axis):
+  return xs[0] if len(xs) == 1 else jax.lax.concatenate(xs, axis)
+
+
+RULES = {"dot_general": dot_general}

@@ -1,0 +1,152 @@
+"""Gathers of user rows by an index vector are broadcasts; what is known of integer ranges.
+
+A row gather `take(user, idx, axis=0)` of a value without a candidate axis is
+`Broadcast(user, idx)` for any integer index vector `idx`, computed as the
+program computes it: the rewrite never assumes what an index is, so a clamp,
+a shift or `jnp.repeat`'s index is gathered with exactly as written. The
+gather's out-of-range semantics are kept too: "clip" and "promise in bounds"
+clamp (XLA clamps a promised index), as a broadcast does; a "fill" gather
+(`jnp.take`'s default) is a broadcast only where its index is known to lie in
+`[0, U)`.
+
+`bounds` infers static ranges of integer values (from `clip`, `min`/`max`
+with constants, `iota`, and the `where(i < 0, i + n, i)` that indexing
+emits), so that a clamped mapping is known to be in range.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.lax.slicing import GatherScatterMode
+
+from ikbo_jax.rewrite.report import Decline
+from ikbo_jax.rewrite.values import Broadcast, Plain
+
+_INF = math.inf
+
+
+def gather(rw, eqn, operands):
+  operand, indices = operands
+  if isinstance(indices, Broadcast):
+    return _lookup_of_broadcast_ids(rw, eqn, operand, indices)
+  if not (isinstance(operand, Plain) and isinstance(indices, Plain)) or operand.at_b:
+    return None
+  if not (operand.at_u or indices.mapped):  # an embedding lookup by candidate ids stays one
+    return None
+  dn, value = eqn.params["dimension_numbers"], operand.value
+  rank = np.ndim(value)
+  if (np.ndim(indices.value) != 2 or np.shape(indices.value)[1] != 1
+      or dn.collapsed_slice_dims != (0,) or dn.start_index_map != (0,)
+      or dn.offset_dims != tuple(range(1, rank)) or dn.operand_batching_dims
+      or tuple(eqn.params["slice_sizes"]) != (1, *np.shape(value)[1:])):
+    return None
+  num_users = np.shape(value)[0]
+  if eqn.params["mode"] == GatherScatterMode.FILL_OR_DROP and not _within(indices, num_users):
+    # A fill row would have to flow through every op moved to U, and a NaN row there turns
+    # zero cotangents into NaN gradients of the weights: only a provably in-range index moves.
+    raise Decline("a gather that fills out-of-range rows (jnp.take's default) by an index not "
+                  "known to lie in [0, U): clip it (jnp.clip(ids, 0, U - 1)), index with "
+                  "user[ids] or pass mode='clip'")
+  ids = rw.memo(("rows", num_users), indices.value, lambda i: i[:, 0])
+  rw.report.add("broadcast", eqn, bytes_saved=_nbytes(eqn.outvars[0].aval))
+  return [Broadcast(value, ids, 0)]
+
+
+def _lookup_of_broadcast_ids(rw, eqn, operand, indices):
+  """`table[ids[mapping]]` with a batch-free table: the lookup runs at U."""
+  dn = eqn.params["dimension_numbers"]
+  batch_dims = indices.user.ndim - 1  # the last axis of the indices holds the index vector
+  if (not isinstance(operand, Plain) or operand.at_b or indices.axis != 0
+      or dn.operand_batching_dims or any(d < batch_dims for d in dn.offset_dims)):
+    return None
+  out = eqn.primitive.bind(operand.value, indices.user, **eqn.params)
+  rw.moved(eqn, out, indices)
+  return [indices.like(out)]
+
+
+def _within(indices: Plain, num_users: int) -> bool:
+  lo, hi = indices.bounds or (-_INF, _INF)
+  return lo >= 0 and hi <= num_users - 1
+
+
+def _nbytes(aval) -> int:
+  return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+
+
+def static_scalar(v) -> float | None:
+  """The value of a scalar known at trace time, else None."""
+  if not isinstance(v, Plain) or isinstance(v.value, jax.core.Tracer) or np.ndim(v.value) != 0:
+    return None
+  return np.asarray(v.value).item()
+
+
+_PRESERVING = frozenset("broadcast_in_dim reshape squeeze expand_dims copy slice dynamic_slice "
+                        "transpose rev concatenate".split())
+
+
+def bounds(eqn, operands) -> tuple[float, float] | None:
+  """The static range of an integer (or boolean, as 0/1) result, where it can be inferred."""
+  dtype = eqn.outvars[0].aval.dtype
+  if not (jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_):
+    return None
+  try:
+    known = _bounds(eqn, operands)
+  except (TypeError, ValueError, OverflowError):  # unknown is always a safe answer
+    return None
+  return None if known is None or known == (-_INF, _INF) else known
+
+
+def _range(v) -> tuple[float, float]:
+  """`v`'s range; an infinite end is an unknown one."""
+  known = static_scalar(v)
+  if known is not None:
+    return (known, known)
+  return getattr(v, "bounds", None) or (-_INF, _INF)
+
+
+def _bounds(eqn, operands):
+  name, range_of = eqn.primitive.name, _range
+  if name == "iota":
+    return (0, eqn.params["shape"][eqn.params["dimension"]] - 1)
+  if name in _PRESERVING:
+    ranges = [range_of(v) for v in operands[:1 if name != "concatenate" else None]]
+    return (min(r[0] for r in ranges), max(r[1] for r in ranges))
+  if name == "convert_element_type" and _widening(eqn.invars[0].aval.dtype,
+                                                  eqn.outvars[0].aval.dtype):
+    return range_of(operands[0])
+  if name == "clamp":
+    (lo, _), (x_lo, x_hi), (_, hi) = (range_of(v) for v in operands)
+    return (max(lo, min(x_lo, hi)), min(hi, max(x_hi, lo)))
+  if name in ("max", "min") and len(operands) == 2:
+    (a_lo, a_hi), (b_lo, b_hi) = (range_of(v) for v in operands)
+    return (max(a_lo, b_lo), max(a_hi, b_hi)) if name == "max" else (min(a_lo, b_lo),
+                                                                     min(a_hi, b_hi))
+  if name in ("add", "sub"):  # these may wrap around: known only if every end is
+    (a_lo, a_hi), (b_lo, b_hi) = (range_of(v) for v in operands)
+    lo, hi = (a_lo + b_lo, a_hi + b_hi) if name == "add" else (a_lo - b_hi, a_hi - b_lo)
+    dtype = eqn.outvars[0].aval.dtype
+    inside = jnp.iinfo(dtype).min <= lo and hi <= jnp.iinfo(dtype).max
+    return (lo, hi) if inside else None
+  if name in ("lt", "ge"):  # decided when one side's range is entirely on one side of the other
+    (a_lo, a_hi), (b_lo, b_hi) = (range_of(v) for v in operands)
+    true, false = (a_hi < b_lo, a_lo >= b_hi) if name == "lt" else (a_lo >= b_hi, a_hi < b_lo)
+    return (1, 1) if true else (0, 0) if false else (0, 1)
+  if name == "select_n":
+    pred, *cases = operands
+    p_lo, p_hi = range_of(pred)
+    chosen = [range_of(c) for i, c in enumerate(cases) if p_lo <= i <= p_hi]
+    return (min(r[0] for r in chosen), max(r[1] for r in chosen)) if chosen else None
+  return None
+
+
+def _widening(source, target) -> bool:
+  if source == jnp.bool_:
+    return True
+  if not (jnp.issubdtype(source, jnp.integer) and jnp.issubdtype(target, jnp.integer)):
+    return False
+  s, t = jnp.iinfo(source), jnp.iinfo(target)
+  return t.min <= s.min and t.max >= s.max

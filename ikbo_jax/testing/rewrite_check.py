@@ -1,0 +1,58 @@
+"""`check_rewrite`: `rewrite(fn)` computes what `fn` computes, forward and every gradient.
+
+The one equality every rewrite test and the property-based test over generated
+programs apply: under `jax.jit`, the rewritten function's outputs equal the
+original's, and so does the gradient of a non-linear scalar of the outputs
+with respect to every floating-point leaf of the arguments (pytrees included).
+Non-finite values must sit in the same places.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ikbo_jax import rewrite as rewrite_lib
+
+
+def _float_leaves(args):
+  leaves, tree = jax.tree.flatten(tuple(args))
+  where = [i for i, x in enumerate(leaves) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+  return leaves, tree, where
+
+
+def outputs_and_gradients(fn, args):
+  """`fn(*args)` under `jax.jit`, and the gradient of `sum(sin(outputs))` by each float leaf."""
+  leaves, tree, where = _float_leaves(args)
+
+  def loss(floats):
+    full = list(leaves)
+    for i, x in zip(where, floats):
+      full[i] = x
+    outs = [o for o in jax.tree.leaves(fn(*jax.tree.unflatten(tree, full)))
+            if jnp.issubdtype(o.dtype, jnp.floating)]
+    return sum(jnp.sum(jnp.sin(o.astype(jnp.float32))) for o in outs)
+
+  outs = jax.jit(fn)(*args)
+  grads = jax.jit(jax.grad(loss))([leaves[i] for i in where]) if where else []
+  return outs, grads
+
+
+def check_rewrite(fn, args, *, mapping, users=(), candidates=None, rtol: float = 1e-5,
+                  atol: float = 1e-5) -> rewrite_lib.Report:
+  """Asserts that `rewrite(fn)` equals `fn` on `args`; returns the rewrite's report."""
+  where = dict(mapping=mapping, users=users, candidates=candidates)
+  fast = rewrite_lib.rewrite(fn, **where)
+  report = rewrite_lib.explain(fn, *args, **where)
+  got_out, got_grads = outputs_and_gradients(fast, args)
+  want_out, want_grads = outputs_and_gradients(fn, args)
+  pairs = list(zip(jax.tree.leaves(got_out), jax.tree.leaves(want_out)))
+  pairs += list(zip(got_grads, want_grads))
+  assert jax.tree.structure(got_out) == jax.tree.structure(want_out)
+  for k, (got, want) in enumerate(pairs):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol,
+                               err_msg=f"{'output' if k < len(pairs) - len(got_grads) else 'gradient'}"
+                               f" {k}\n{report}")
+  return report
