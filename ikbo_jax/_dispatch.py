@@ -14,6 +14,7 @@ from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
+from jax._src.interpreters import ad
 
 from ikbo_jax import platform
 
@@ -127,3 +128,24 @@ def common_varying_axes(*args):
 def _varying_axes(x) -> frozenset:
   """The `shard_map` axes along which `x` differs by shard (empty outside `shard_map`)."""
   return frozenset(jax.typeof(x).mat.varying)
+
+
+def reverse_mode_only(op: str, *args) -> None:
+  """Raises one clear error where forward-mode autodiff reaches an op with a custom VJP.
+
+  JAX cannot push tangents forward through a `custom_vjp`; its own error names
+  neither the op nor a way out. Forward-mode tracers are visible here when
+  `jax.jvp`/`jax.jacfwd` call the op outside `jax.jit`; under `jit` (and for
+  `jax.linearize`, whose tracers are those of `jax.grad`) JAX's message stands.
+  """
+  if forward_mode(*args):
+    raise TypeError(
+        f"{op} has reverse-mode derivatives only (a custom VJP with its own backward kernels), "
+        "so jax.jvp, jax.jacfwd and jax.linearize cannot pass through it. Use jax.grad, "
+        "jax.vjp or jax.jacrev; for forward-mode derivatives, differentiate the model written "
+        "without IKBO ops (for ikbo_jax.rewrite.rewrite(fn), differentiate fn itself)")
+
+
+def forward_mode(*args) -> bool:
+  """Whether forward-mode autodiff (`jax.jvp`, `jax.jacfwd`) is tracing any of `args`."""
+  return any(isinstance(x, ad.JVPTracer) for x in jax.tree.leaves(args))

@@ -128,6 +128,7 @@ def linear_compression(w_user, w_cand, e_user, e_cand, index: CandidateIndex, *,
   if implementation == "xla_materialized":
     # The baseline in both directions: plain autodiff through the broadcast.
     return xla.materialized(w_user, w_cand, e_user, e_cand, index.clamped_cand_to_user)
+  _dispatch.reverse_mode_only("ikbo_jax.linear_compression", w_user, w_cand, e_user, e_cand)
   return _lce(implementation, interpret, index.num_users, *_dispatch.common_varying_axes(
       w_user, w_cand, e_user, e_cand, index.clamped_cand_to_user))
 

@@ -157,6 +157,7 @@ def self_target_attention(q_user, q_cand, k, v, index: CandidateIndex, *, kv_len
   kv_len = target.prepare_kv_len(kv_len, index, k.shape[1], checks.check_flag("checked", checked))
   scale = checks.resolve_scale(scale, k.shape[-1])
   causal = checks.check_flag("causal", causal)
+  _dispatch.reverse_mode_only("ikbo_jax.self_target_attention", q_user, q_cand, k, v)
   if implementation == "mosaic_gpu":
     return _fused(scale, causal, interpret, masked,
                   *_dispatch.common_varying_axes(q_user, q_cand, k, v, index, kv_len))

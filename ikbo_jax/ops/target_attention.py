@@ -148,6 +148,8 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
   masked = kv_len is not None
   kv_len = prepare_kv_len(kv_len, index, k.shape[1], checks.check_flag("checked", checked))
   scale = checks.resolve_scale(scale, q.shape[-1])
+  if implementation != "xla_materialized":
+    _dispatch.reverse_mode_only("ikbo_jax.target_attention", q, k, v)
   if backend.is_kernel:
     return _kernel_attention(implementation, scale, interpret, masked, return_lse,
                              *_dispatch.common_varying_axes(q, k, v, index, kv_len))

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ikbo_jax.rewrite.report import Decline
+from ikbo_jax import _dispatch
+from ikbo_jax.rewrite.report import FORWARD_MODE, Decline
 from ikbo_jax.rewrite.rules import parts_sizes
 from ikbo_jax.rewrite.values import Broadcast, Concat, Plain, materialize
 
@@ -74,6 +75,8 @@ def split_dense(rw, eqn, lhs, rhs):
     raise Decline("the other operand of the concatenation is not a weight")
   if stack.dimension not in s_contract or 0 in s_contract:
     raise Decline("the concatenation axis is not contracted, or the candidate axis is")
+  if _dispatch.forward_mode(weight.value, *stack.parts):
+    raise Decline(FORWARD_MODE)
   w_axis = w_contract[s_contract.index(stack.dimension)]
   starts = np.concatenate([[0], np.cumsum(parts_sizes(stack))])
   w_slice = lambda i: jax.lax.slice_in_dim(weight.value, int(starts[i]), int(starts[i + 1]),

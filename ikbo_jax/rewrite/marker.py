@@ -17,7 +17,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ikbo_jax.rewrite.report import Decline
+from ikbo_jax import _dispatch
+from ikbo_jax.rewrite.report import FORWARD_MODE, Decline
 from ikbo_jax.rewrite.values import Broadcast, Plain, RowConstant
 
 _PREFIX = "ikbo_marked_attention_"
@@ -108,6 +109,8 @@ def rule(rw, eqn, operands):
     return [q.like(out)]
   if causal:
     raise Decline("causal attention of candidate queries over user keys")
+  if _dispatch.forward_mode(q, k, v):
+    raise Decline(FORWARD_MODE)
   if not isinstance(q, (Plain, RowConstant)):
     raise Decline("its queries are neither candidate values nor user rows of the keys' index")
   q = q.value if isinstance(q, Plain) else q.materialize()

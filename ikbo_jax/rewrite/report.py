@@ -11,6 +11,10 @@ class Decline(Exception):
   """A rule's reason for leaving an equation as written (recorded with the materialization)."""
 
 
+FORWARD_MODE = ("forward-mode autodiff is tracing it and IKBO ops have reverse-mode derivatives "
+                "only: it runs as written")
+
+
 @dataclasses.dataclass(frozen=True)
 class Change:
   """One decision of the rewrite.

@@ -195,6 +195,34 @@ def _transposed(rw, eqn, v, perm):
   return Plain(jax.lax.transpose(array, perm), True)
 
 
+def _keeps_rows(v: Broadcast, eqn) -> bool:
+  """Whether a slice, pad or reversal leaves the candidate axis whole and in order."""
+  name, axis = eqn.primitive.name, v.axis
+  if name == "slice":
+    strides = eqn.params["strides"] or (1,) * len(v.shape)
+    return (eqn.params["start_indices"][axis] == 0 and strides[axis] == 1
+            and eqn.params["limit_indices"][axis] == v.shape[axis])
+  if name == "pad":
+    return tuple(eqn.params["padding_config"][axis]) == (0, 0, 0)
+  return axis not in eqn.params["dimensions"]  # rev
+
+
+def along_features(rw, eqn, operands):
+  """`slice`, `pad` and `rev` along axes other than the candidate axis run at U."""
+  v, *rest = operands
+  if not isinstance(v, Broadcast) or not all(scalar(r) for r in rest):
+    return None
+  if not _keeps_rows(v, eqn):
+    raise Decline("it slices, pads or reverses the candidate axis")
+  params = dict(eqn.params)
+  if eqn.primitive.name == "slice":
+    params["limit_indices"] = tuple(v.num_users if d == v.axis else n
+                                    for d, n in enumerate(params["limit_indices"]))
+  out = eqn.primitive.bind(v.user, *(r.value for r in rest), **params)
+  rw.moved(eqn, out, v)
+  return [v.like(out)]
+
+
 def reduction(rw, eqn, operands):
   v = operands[0]
   if not isinstance(v, Broadcast) or len(operands) != 1:
@@ -247,4 +275,5 @@ RULES = {name: elementwise for name in ELEMENTWISE}
 RULES.update({name: reduction for name in REDUCTIONS})
 RULES.update({name: cumulative for name in CUMULATIVE})
 RULES.update(broadcast_in_dim=broadcast_in_dim, reshape=reshape, iota=iota, squeeze=squeeze,
-             transpose=transpose, concatenate=concatenate)
+             transpose=transpose, concatenate=concatenate, slice=along_features,
+             pad=along_features, rev=along_features)
