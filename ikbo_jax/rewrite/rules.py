@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ikbo_jax.rewrite.report import Decline
-from ikbo_jax.rewrite.values import Broadcast, Concat, Plain, RowConstant, at_u, part_shape
+from ikbo_jax.rewrite.values import (Broadcast, Concat, Plain, RowConstant, at_b, at_u,
+                                     materialize, part_shape)
 
 ELEMENTWISE = frozenset("""
 abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type cos cosh
@@ -267,6 +268,28 @@ def concatenate(rw, eqn, operands):
   return [Concat(tuple(operands), lead.ids, dim)]
 
 
+def stack(rw, eqn, operands):
+  """`stack(xs, axis)` is the concatenation of the `xs` with a new size-1 axis."""
+  lead, axis = first_broadcast(operands), eqn.params["axis"]
+  if lead is None or lead.axis != 0 or axis == 0:
+    return None
+  expanded = []
+  for v in operands:
+    if isinstance(v, Broadcast):
+      expanded.append(v.like(jnp.expand_dims(v.user, axis)))
+    elif isinstance(v, Concat):
+      raise Decline("it stacks a concatenation")
+    else:
+      expanded.append(Plain(jnp.expand_dims(materialize(v), axis), at_b(v), at_u(v)))
+  if all(isinstance(v, Broadcast) and v.ids is lead.ids for v in expanded):
+    out = jnp.concatenate([v.user for v in expanded], axis)
+    rw.moved(eqn, out, lead)
+    return [lead.like(out)]
+  if any(isinstance(v, Broadcast) and v.ids is not lead.ids for v in expanded):
+    raise Decline("it stacks broadcasts by different indices")
+  return [Concat(tuple(expanded), lead.ids, axis)]
+
+
 def parts_sizes(stack: Concat) -> list[int]:
   return [part_shape(p)[stack.dimension] for p in stack.parts]
 
@@ -276,4 +299,4 @@ RULES.update({name: reduction for name in REDUCTIONS})
 RULES.update({name: cumulative for name in CUMULATIVE})
 RULES.update(broadcast_in_dim=broadcast_in_dim, reshape=reshape, iota=iota, squeeze=squeeze,
              transpose=transpose, concatenate=concatenate, slice=along_features,
-             pad=along_features, rev=along_features)
+             pad=along_features, rev=along_features, stack=stack)

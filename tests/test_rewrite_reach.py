@@ -1,0 +1,118 @@
+"""The programs people write: each pattern rewrites (equal outputs and gradients, work at U),
+or runs as written with the reason in the report where rewriting it would not be the same
+computation."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from ikbo_jax import rewrite
+from ikbo_jax.testing.rewrite_check import check_rewrite
+
+U, B, RATIO = 3, 9, 3
+IDS = jnp.array([2, 0, 1, 2, 2, 0, 1, 1, 0], jnp.int32)
+
+
+def _normal(seed, *shape):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def _materialized_at(report) -> list[str]:
+  return [c.primitive for c in report.materialized]
+
+
+@pytest.mark.parametrize("spelling", ["repeat", "broadcast_to"])
+def test_a_uniform_ratio_without_a_mapping(spelling):
+  def model(user, ids, cand, w):
+    del ids
+    if spelling == "repeat":
+      rows = jnp.repeat(user, RATIO, axis=0)
+    else:
+      rows = jnp.broadcast_to(user[:, None], (U, RATIO, user.shape[1])).reshape(B, -1)
+    return jax.nn.relu(rows @ w) * cand
+  args = (_normal(0, U, 8), IDS, _normal(1, B, 5), _normal(2, 8, 5))
+  report = check_rewrite(model, args, mapping=1, users=0)
+  assert report.flops_saved > 0 and _materialized_at(report) == ["mul"], str(report)
+
+
+def test_repeat_by_per_user_counts_runs_as_written_and_says_why():
+  def model(user, counts, cand, w):
+    return jnp.tanh(jnp.repeat(user, counts, axis=0, total_repeat_length=B) @ w) * cand
+  args = (_normal(0, U, 8), jnp.array([4, 0, 5], jnp.int32), _normal(1, B, 5), _normal(2, 8, 5))
+  report = check_rewrite(model, args, mapping=1, users=0)
+  assert "fills out-of-range rows" in report.materialized[0].reason, str(report)
+
+
+def test_squeeze_and_astype_after_a_broadcast():
+  def model(user, ids, cand, w):
+    rows = jnp.squeeze(user[ids][:, None, :], axis=1).astype(jnp.bfloat16)
+    return (rows @ w.astype(jnp.bfloat16)).astype(jnp.float32) * cand
+  args = (_normal(0, U, 8), IDS, _normal(1, B, 5), _normal(2, 8, 5))
+  report = check_rewrite(model, args, mapping=1, users=0, rtol=2**-7, atol=2**-7)
+  assert _materialized_at(report) == ["mul"], str(report)
+
+
+def test_a_dlrm_pairwise_interaction_computes_the_user_block_at_users():
+  def model(user_a, ids, user_b, cand_a, cand_b, w):
+    x = jnp.stack([user_a[ids], user_b[ids], cand_a, cand_b], axis=1)  # [B, 4, F]
+    z = x @ jnp.transpose(x, (0, 2, 1))
+    rows, cols = jnp.triu_indices(4, 1)
+    return jax.nn.relu(z[:, rows, cols] @ w)
+  args = (_normal(0, U, 8), IDS, _normal(1, U, 8), _normal(2, B, 8), _normal(3, B, 8),
+          _normal(4, 6, 5))
+  report = check_rewrite(model, args, mapping=1, users=(0, 2), rtol=1e-5)
+  assert report.count("block_product") == 1 and not report.materialized, str(report)
+
+
+def test_a_value_used_at_users_and_broadcast():
+  def model(user, ids, cand, w):
+    hidden = jnp.tanh(user @ w)  # at U
+    return hidden[ids] * cand + jnp.mean(hidden, axis=0), jnp.sum(hidden, axis=1)
+  args = (_normal(0, U, 8), IDS, _normal(1, B, 5), _normal(2, 8, 5))
+  check_rewrite(model, args, mapping=1, users=0)
+
+
+def test_checkpointed_and_conditional_user_towers_are_entered():
+  def model(user, ids, cand, w, gate):
+    tower = jax.checkpoint(lambda x: jax.nn.relu(x @ w))(user[ids])
+    tower = jax.lax.cond(gate > 0, jnp.tanh, jnp.sin, tower)
+    return tower * cand
+  for gate in (1.0, -1.0):
+    args = (_normal(0, U, 8), IDS, _normal(1, B, 5), _normal(2, 8, 5), jnp.float32(gate))
+    report = check_rewrite(model, args, mapping=1, users=0)
+    assert report.count("entered") == 3 and _materialized_at(report) == ["mul"], str(report)
+
+
+def test_nnx_remat_of_a_user_tower():
+  class Tower(nnx.Module):
+    def __init__(self, rngs):
+      self.dense = nnx.Linear(8, 5, rngs=rngs)
+
+    def __call__(self, user, ids, cand):
+      return nnx.remat(lambda m, x: nnx.relu(m(x)))(self.dense, user[ids]) * cand
+
+  graphdef, state = nnx.split(Tower(nnx.Rngs(0)))
+  fn = lambda user, ids, cand, state: nnx.merge(graphdef, state)(user, ids, cand)
+  args = (_normal(0, U, 8), IDS, _normal(1, B, 5), state)
+  report = check_rewrite(fn, args, mapping=1, users=0)
+  assert report.count("at_users") >= 2, str(report)
+
+
+def test_a_one_hot_product_is_not_a_broadcast():
+  # one_hot(ids) @ user rounds user rows at the matmul's precision, turns 0 * inf into NaN
+  # and gives zero rows for out-of-range ids: not the same computation as a gather.
+  def model(user, ids, cand):
+    return (jax.nn.one_hot(ids, U) @ user) * cand
+  args = (_normal(0, U, 5), IDS, _normal(1, B, 5))
+  report = check_rewrite(model, args, mapping=1, users=0)
+  assert not report.count("broadcast"), str(report)
+
+
+def test_jax_nn_attention_and_flax_attention_without_the_hook_run_as_written():
+  def model(seq, ids, cand):
+    k = seq[ids]
+    return jax.nn.dot_product_attention(cand, k, k) + nnx.dot_product_attention(cand, k, k)
+  args = (_normal(0, U, 6, 2, 4), IDS, _normal(1, B, 2, 2, 4))
+  report = check_rewrite(model, args, mapping=1, users=0, rtol=1e-5)
+  assert report.materialized and not report.count("target_attention"), str(report)
