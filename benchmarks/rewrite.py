@@ -75,6 +75,82 @@ def dlrm_case(b, u, f_user, f_cand, hidden, dtype):
   return original, by_hand, args, dict(mapping=1, users=(0,))
 
 
+def repeat_dlrm_case(u, ratio, f_user, f_cand, hidden, dtype):
+  """The DLRM-style MLP with user rows repeated for a uniform ratio (`jnp.repeat`), no mapping."""
+  b = u * ratio
+
+  def original(user, ids, cand, w1, w2):
+    del ids
+    x = jnp.concatenate([jnp.repeat(user, ratio, axis=0), cand], axis=1)
+    return jax.nn.relu(x @ w1) @ w2
+
+  def by_hand(user, ids, cand, w1, w2):
+    del ids
+    return jax.nn.relu(jnp.repeat(user @ w1[:f_user], ratio, axis=0) + cand @ w1[f_user:]) @ w2
+
+  args = (_normal(0, (u, f_user), dtype), _mapping(b, u), _normal(1, (b, f_cand), dtype),
+          _normal(2, (f_user + f_cand, hidden), dtype), _normal(3, (hidden, 1), dtype))
+  return original, by_hand, args, dict(mapping=1, users=(0,))
+
+
+def pairwise_case(b, u, n_user, n_cand, dim, hidden, dtype):
+  """A DLRM pairwise dot interaction of user and candidate embeddings, then a dense layer."""
+  n = n_user + n_cand
+  rows, cols = np.triu_indices(n, 1)
+
+  def original(e_user, ids, e_cand, w):
+    x = jnp.concatenate([e_user[ids], e_cand], axis=1)  # [B, n, D]
+    z = jnp.einsum("bid,bjd->bij", x, x)
+    return jax.nn.relu(z[:, rows, cols] @ w)
+
+  def by_hand(e_user, ids, e_cand, w):
+    user_block = jnp.einsum("uid,ujd->uij", e_user, e_user)[ids]
+    cross = jnp.einsum("bid,bjd->bij", e_user[ids], e_cand)
+    cand_block = jnp.einsum("bid,bjd->bij", e_cand, e_cand)
+    z = jnp.concatenate([jnp.concatenate([user_block, cross], axis=2),
+                         jnp.concatenate([jnp.transpose(cross, (0, 2, 1)), cand_block], axis=2)],
+                        axis=1)
+    return jax.nn.relu(z[:, rows, cols] @ w)
+
+  args = (_normal(0, (u, n_user, dim), dtype), _mapping(b, u),
+          _normal(1, (b, n_cand, dim), dtype), _normal(2, (len(rows), hidden), dtype))
+  return original, by_hand, args, dict(mapping=1, users=(0,))
+
+
+def gqa_attention_case(b, u, s, q_heads, kv_heads, head_dim, n_seed, dtype):
+  """Grouped-query target attention through the hook: `q_heads` queries over `kv_heads` K/V."""
+  impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+  group = q_heads // kv_heads
+
+  def original(seq_k, seq_v, ids, q, lengths):
+    return rewrite.attention(q, seq_k[ids], seq_v[ids], lengths[ids], implementation=impl)
+
+  def by_hand(seq_k, seq_v, ids, q, lengths):
+    k, v = (jnp.repeat(x, group, axis=2) for x in (seq_k, seq_v))
+    return target_attention(q, k, v, CandidateIndex.from_mapping(ids, u), kv_len=lengths)
+
+  shape = (u, s, kv_heads, head_dim)
+  lengths = jnp.asarray(np.random.default_rng(1).integers(s // 2, s + 1, u), jnp.int32)
+  args = (_normal(0, shape, dtype), _normal(1, shape, dtype), _mapping(b, u),
+          _normal(2, (b, n_seed, q_heads, head_dim), dtype), lengths)
+  return original, by_hand, args, dict(mapping=2, users=(0, 1, 4))
+
+
+def tower_case(b, u, f_user, hidden, dtype):
+  """A checkpointed user tower with `jax.nn.relu` (a custom_jvp) scored against candidates."""
+  tower = lambda w1, w2: jax.checkpoint(lambda x: jax.nn.relu(x @ w1) @ w2)
+
+  def original(user, ids, cand, w1, w2):
+    return jnp.sum(tower(w1, w2)(user[ids]) * cand, axis=-1)
+
+  def by_hand(user, ids, cand, w1, w2):
+    return jnp.sum(tower(w1, w2)(user)[ids] * cand, axis=-1)
+
+  args = (_normal(0, (u, f_user), dtype), _mapping(b, u), _normal(1, (b, hidden), dtype),
+          _normal(2, (f_user, 4 * hidden), dtype), _normal(3, (4 * hidden, hidden), dtype))
+  return original, by_hand, args, dict(mapping=1, users=(0,))
+
+
 def ranker_case(config, b, ratio):
   model = Ranker(config, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
@@ -102,13 +178,17 @@ def measure(name, case, iterations) -> dict:
   for label, fn in fns.items():
     ms, timer = common.median_ms(jax.jit(fn), *args, iterations=iterations)
     row[label] = dict(ms=ms, timer=timer)
+  want = jax.jit(original)(*args).astype(jnp.float32)
+  got = jax.jit(fns["rewritten"])(*args).astype(jnp.float32)
+  row["rewritten_relative_error"] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
   base = row["original"]["ms"]
   row["speedup_rewritten"] = base / row["rewritten"]["ms"]
   row["speedup_ikbo"] = base / row["ikbo"]["ms"]
   row["fraction_of_ikbo_speedup"] = row["speedup_rewritten"] / row["speedup_ikbo"]
   print(f"{name}: " + ", ".join(f"{k} {row[k]['ms']:.3f} ms" for k in fns)
         + f"; rewritten {row['speedup_rewritten']:.2f}x, by hand {row['speedup_ikbo']:.2f}x; "
-        f"trace {trace_s:.2f} s; {row['changes']}", flush=True)
+        f"trace {trace_s:.2f} s; rel. error {row['rewritten_relative_error']:.1e}; "
+        f"{row['changes']}", flush=True)
   return row
 
 
@@ -123,13 +203,21 @@ def main() -> None:
     cases = dict(lce=lce_case(256, 4, 32, 16, 48, 40, dtype),
                  target_attention=attention_case(128, 4, 64, 2, 16, 4, dtype),
                  dlrm=dlrm_case(256, 4, 64, 16, 32, dtype),
-                 ranker=ranker_case(config, 128, 16))
+                 ranker=ranker_case(config, 128, 16),
+                 repeat_dlrm=repeat_dlrm_case(4, 64, 64, 16, 32, dtype),
+                 pairwise=pairwise_case(256, 4, 4, 6, 16, 32, dtype),
+                 gqa_attention=gqa_attention_case(128, 4, 64, 4, 2, 16, 4, dtype),
+                 tower=tower_case(256, 4, 64, 32, dtype))
   else:
     dtype = jnp.bfloat16
     cases = dict(lce=lce_case(1024, 15, 433, 256, 1178, 866, dtype),
                  target_attention=attention_case(2048, 32, 1024, 2, 128, 64, dtype),
                  dlrm=dlrm_case(1024, 15, 2048, 512, 1024, dtype),
-                 ranker=ranker_case(RankerConfig.benchmark(), 1024, 70))
+                 ranker=ranker_case(RankerConfig.benchmark(), 1024, 70),
+                 repeat_dlrm=repeat_dlrm_case(15, 70, 2048, 512, 1024, dtype),
+                 pairwise=pairwise_case(1024, 15, 16, 16, 128, 1024, dtype),
+                 gqa_attention=gqa_attention_case(2048, 32, 1024, 4, 2, 128, 64, dtype),
+                 tower=tower_case(1024, 15, 2048, 512, dtype))
   results = {name: measure(name, case, args.iterations) for name, case in cases.items()}
   common.write_json(args.out, dict(**common.metadata(), dtype=jnp.dtype(dtype).name,
                                    iterations=args.iterations, cases=results))

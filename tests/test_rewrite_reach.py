@@ -53,10 +53,14 @@ def test_squeeze_and_astype_after_a_broadcast():
   assert _materialized_at(report) == ["mul"], str(report)
 
 
-def test_a_dlrm_pairwise_interaction_computes_the_user_block_at_users():
+@pytest.mark.parametrize("spelling", ["matmul", "einsum"])
+def test_a_dlrm_pairwise_interaction_computes_the_user_block_at_users(spelling):
   def model(user_a, ids, user_b, cand_a, cand_b, w):
     x = jnp.stack([user_a[ids], user_b[ids], cand_a, cand_b], axis=1)  # [B, 4, F]
-    z = x @ jnp.transpose(x, (0, 2, 1))
+    if spelling == "matmul":
+      z = x @ jnp.transpose(x, (0, 2, 1))
+    else:  # one product of the stack with itself: the cross block is computed once
+      z = jnp.einsum("bif,bjf->bij", x, x)
     rows, cols = jnp.triu_indices(4, 1)
     return jax.nn.relu(z[:, rows, cols] @ w)
   args = (_normal(0, U, 8), IDS, _normal(1, U, 8), _normal(2, B, 8), _normal(3, B, 8),

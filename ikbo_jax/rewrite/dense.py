@@ -126,17 +126,24 @@ def block_product(rw, eqn, lhs: Concat, rhs: Concat):
   l_free, r_free = _free_dims(len(lhs.shape), lc, lb), _free_dims(len(rhs.shape), rc, rb)
   l_axis = len(lb) + l_free.index(lhs.dimension)
   r_axis = len(lb) + len(l_free) + r_free.index(rhs.dimension)
-  rows = []
-  for a in _runs(lhs):
-    blocks = []
-    for b in _runs(rhs):
-      if isinstance(a, Broadcast) and isinstance(b, Broadcast):
+  # x @ x^T written as one product of a stack with itself: block (j, i) is block (i, j) turned.
+  symmetric = lhs is rhs and lc == rc and lb == rb
+  turn = (*range(len(lb)), *range(len(lb) + len(l_free), len(lb) + 2 * len(l_free)),
+          *range(len(lb), len(lb) + len(l_free)))
+  l_runs, r_runs = _runs(lhs), _runs(rhs)
+  blocks = {}
+  for i, a in enumerate(l_runs):
+    for j, b in enumerate(r_runs):
+      if symmetric and j < i:
+        blocks[i, j] = jnp.transpose(blocks[j, i], turn)
+      elif isinstance(a, Broadcast) and isinstance(b, Broadcast):
         block = bind(a.user, b.user)
         rw.moved(eqn, block, a)
-        blocks.append(jnp.take(block, lhs.ids, axis=0, mode="clip"))
+        blocks[i, j] = jnp.take(block, lhs.ids, axis=0, mode="clip")
       else:
-        blocks.append(bind(materialize(a), materialize(b)))
-    rows.append(_concat(blocks, r_axis))
+        blocks[i, j] = bind(materialize(a), materialize(b))
+  rows = [_concat([blocks[i, j] for j in range(len(r_runs))], r_axis)
+          for i in range(len(l_runs))]
   rw.report.add("block_product", eqn)
   return [Plain(_concat(rows, l_axis).astype(eqn.outvars[0].aval.dtype), True)]
 
