@@ -5,7 +5,8 @@
 # "lc attention self_target tests demo diagnostics"; also "sweep" (the randomized correctness
 # sweep and the regression tests, failures in full), "soak" (tools/soak.py for SOAK_MINUTES),
 # "system" (the ranking system benchmark and the main job at the benchmark preset),
-# "rewrite" (original vs rewritten vs hand-written IKBO code),
+# "rewrite" (original vs rewritten vs hand-written IKBO code), "fuzz" (the rewrite's property test
+# on the host's CPUs), "rewrite_tests" (the rewrite's tests on the GPU),
 # "attention_tests" (the attention GPU tests only), "attention_diagnostics" and "attention_ncu" (Nsight Compute). DIAG_ARGS go to the attention diagnostics. BENCH_ARGS=--no-sweeps shortens the lc step.
 set -uo pipefail
 OUT=${OUT:-/tmp/ikbo_out}; mkdir -p "$OUT"
@@ -82,6 +83,20 @@ fi
 if has rewrite; then
   timeout 300 python3 -m benchmarks.rewrite --out "$OUT/rewrite_h200.json" 2>&1 \
     | grep -v Warning | cut -c1-400 | tail -n 8
+fi
+if has fuzz; then
+  # The rewrite's property test, long profile, on the host's CPU cores (FUZZ_MINUTES).
+  JAX_PLATFORMS=cpu timeout $(( ${FUZZ_MINUTES:-4} * 60 + 90 )) python3 tools/rewrite_fuzz.py \
+    --seeds "${FUZZ_SEEDS:-0:400}" --per-seed 50 --processes "${FUZZ_PROCESSES:-14}" \
+    --minutes "${FUZZ_MINUTES:-4}" --out "$OUT/rewrite_fuzz_h200_host.json" 2>&1 | tail -n 3
+fi
+if has rewrite_tests; then
+  # The rewrite's tests with the GPU's kernels behind the ops it emits.
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q \
+    -p no:cacheprovider tests/test_rewrite.py tests/test_rewrite_soundness.py \
+    tests/test_rewrite_reach.py tests/test_rewrite_properties.py 2>&1 | tail -n 30 \
+    > "$OUT/gpu_rewrite_tests.log"
+  tail -n 4 "$OUT/gpu_rewrite_tests.log"
 fi
 if has attention_tests; then
   timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
