@@ -47,16 +47,19 @@ def lce_case(b, u, m, n, k_user, k_cand, dtype):
   return original, by_hand, args, dict(mapping=1, users=(0,))
 
 
-def attention_case(b, u, s, heads, head_dim, n_seed, dtype):
+def attention_case(b, u, s, heads, head_dim, n_seed, dtype, kv_heads=None):
+  """Target attention through the hook; with `kv_heads`, grouped queries over fewer K/V heads."""
   impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+  kv_heads = kv_heads or heads
 
   def original(seq_k, seq_v, ids, q, lengths):
     return rewrite.attention(q, seq_k[ids], seq_v[ids], lengths[ids], implementation=impl)
 
   def by_hand(seq_k, seq_v, ids, q, lengths):
-    return target_attention(q, seq_k, seq_v, CandidateIndex.from_mapping(ids, u), kv_len=lengths)
+    k, v = (jnp.repeat(x, heads // kv_heads, axis=2) for x in (seq_k, seq_v))
+    return target_attention(q, k, v, CandidateIndex.from_mapping(ids, u), kv_len=lengths)
 
-  shape = (u, s, heads, head_dim)
+  shape = (u, s, kv_heads, head_dim)
   lengths = jnp.asarray(np.random.default_rng(1).integers(s // 2, s + 1, u), jnp.int32)
   args = (_normal(0, shape, dtype), _normal(1, shape, dtype), _mapping(b, u),
           _normal(2, (b, n_seed, heads, head_dim), dtype), lengths)
@@ -115,25 +118,6 @@ def pairwise_case(b, u, n_user, n_cand, dim, hidden, dtype):
   args = (_normal(0, (u, n_user, dim), dtype), _mapping(b, u),
           _normal(1, (b, n_cand, dim), dtype), _normal(2, (len(rows), hidden), dtype))
   return original, by_hand, args, dict(mapping=1, users=(0,))
-
-
-def gqa_attention_case(b, u, s, q_heads, kv_heads, head_dim, n_seed, dtype):
-  """Grouped-query target attention through the hook: `q_heads` queries over `kv_heads` K/V."""
-  impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
-  group = q_heads // kv_heads
-
-  def original(seq_k, seq_v, ids, q, lengths):
-    return rewrite.attention(q, seq_k[ids], seq_v[ids], lengths[ids], implementation=impl)
-
-  def by_hand(seq_k, seq_v, ids, q, lengths):
-    k, v = (jnp.repeat(x, group, axis=2) for x in (seq_k, seq_v))
-    return target_attention(q, k, v, CandidateIndex.from_mapping(ids, u), kv_len=lengths)
-
-  shape = (u, s, kv_heads, head_dim)
-  lengths = jnp.asarray(np.random.default_rng(1).integers(s // 2, s + 1, u), jnp.int32)
-  args = (_normal(0, shape, dtype), _normal(1, shape, dtype), _mapping(b, u),
-          _normal(2, (b, n_seed, q_heads, head_dim), dtype), lengths)
-  return original, by_hand, args, dict(mapping=2, users=(0, 1, 4))
 
 
 def tower_case(b, u, f_user, hidden, dtype):
@@ -206,7 +190,7 @@ def main() -> None:
                  ranker=ranker_case(config, 128, 16),
                  repeat_dlrm=repeat_dlrm_case(4, 64, 64, 16, 32, dtype),
                  pairwise=pairwise_case(256, 4, 4, 6, 16, 32, dtype),
-                 gqa_attention=gqa_attention_case(128, 4, 64, 4, 2, 16, 4, dtype),
+                 gqa_attention=attention_case(128, 4, 64, 4, 16, 4, dtype, kv_heads=2),
                  tower=tower_case(256, 4, 64, 32, dtype))
   else:
     dtype = jnp.bfloat16
@@ -216,7 +200,7 @@ def main() -> None:
                  ranker=ranker_case(RankerConfig.benchmark(), 1024, 70),
                  repeat_dlrm=repeat_dlrm_case(15, 70, 2048, 512, 1024, dtype),
                  pairwise=pairwise_case(1024, 15, 16, 16, 128, 1024, dtype),
-                 gqa_attention=gqa_attention_case(2048, 32, 1024, 4, 2, 128, 64, dtype),
+                 gqa_attention=attention_case(2048, 32, 1024, 4, 128, 64, dtype, kv_heads=2),
                  tower=tower_case(1024, 15, 2048, 512, dtype))
   results = {name: measure(name, case, args.iterations) for name, case in cases.items()}
   common.write_json(args.out, dict(**common.metadata(), dtype=jnp.dtype(dtype).name,

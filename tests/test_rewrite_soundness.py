@@ -17,6 +17,7 @@ from flax import nnx
 
 from ikbo_jax import rewrite
 from ikbo_jax.rewrite import interpreter
+from ikbo_jax.testing.programs import clip_gradient, straight_through
 from ikbo_jax.testing.rewrite_check import check_rewrite, outputs_and_gradients
 
 U, B = 3, 10
@@ -27,24 +28,6 @@ def _normal(seed, *shape):
   return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
 
 
-@jax.custom_jvp
-def fake_quant(x):
-  return jnp.round(x * 4) / 4
-
-
-@fake_quant.defjvp
-def _straight_through(primals, tangents):
-  return fake_quant(primals[0]), tangents[0]
-
-
-@jax.custom_vjp
-def clip_gradient(x):
-  return x
-
-
-clip_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.3, 0.3),))
-
-
 def _only_the_candidate_product(report) -> bool:
   """The one broadcast made real is the one multiplied by candidate values, as it must be."""
   return [c.primitive for c in report.materialized] == ["mul"]
@@ -52,7 +35,7 @@ def _only_the_candidate_product(report) -> bool:
 
 def test_a_straight_through_estimator_keeps_its_gradient_at_users():
   def model(user, ids, cand, w):
-    return fake_quant(user[ids] @ w) * cand
+    return straight_through(user[ids] @ w) * cand
   args = (_normal(0, U, 8), IDS, _normal(1, B, 5), _normal(2, 8, 5))
   report = check_rewrite(model, args, mapping=1, users=0)
   assert report.count("entered") == 1 and _only_the_candidate_product(report), str(report)

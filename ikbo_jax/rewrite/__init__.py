@@ -27,7 +27,7 @@ Example:
 True
 >>> print(rewrite.explain(model, user, ids, cand, w, mapping=1, users=0))
 ... # doctest: +ELLIPSIS
-IKBO rewrite: 1 at_users, 1 broadcast, 1 split_dense; ...
+IKBO rewrite: 1 at_users, 1 broadcast, 1 entered, 1 split_dense; ...
 """
 
 from __future__ import annotations
