@@ -92,11 +92,11 @@ def test_negative_ids_wrap_and_clipped_ids_clamp_as_in_the_original():
 
 
 def test_grouped_query_attention_through_the_marker():
-  def model(seq, ids, cand, lengths):
-    k, v = seq[ids][..., :2, :], seq[ids][..., 2:, :]  # 2 key/value heads
-    return rewrite.attention(cand, k, v, lengths[ids])  # 4 query heads
-  args = (_normal(0, U, 12, 4, 8), IDS, _normal(1, B, 3, 4, 8), jnp.array([12, 0, 5], jnp.int32))
-  report = check_rewrite(model, args, mapping=1, users=(0, 3), rtol=1e-4, atol=1e-5)
+  def model(seq_k, seq_v, ids, cand, lengths):  # 4 query heads over 2 key/value heads
+    return rewrite.attention(cand, seq_k[ids], seq_v[ids], lengths[ids])
+  args = (_normal(0, U, 12, 2, 8), _normal(1, U, 12, 2, 8), IDS, _normal(2, B, 3, 4, 8),
+          jnp.array([12, 0, 5], jnp.int32))
+  report = check_rewrite(model, args, mapping=2, users=(0, 1, 4), rtol=1e-4, atol=1e-5)
   assert report.count("target_attention") == 1, str(report)
 
 
