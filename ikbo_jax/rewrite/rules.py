@@ -100,22 +100,9 @@ def elementwise(rw, eqn, operands):
   if users is None:
     raise Decline("its operands are not all rows of one broadcast, constants along its axis "
                   "or scalars")
-  if _changes_float_precision(eqn):
-    # Its transpose rounds each candidate's cotangent; moved to U it would round their
-    # per-user sum instead: not the same backward.
-    raise Decline("a cast between float types rounds each candidate's cotangent in the "
-                  "backward; at U it would round their sum")
   out = eqn.primitive.bind(*users, **eqn.params)
   rw.moved(eqn, out, lead)
   return [lead.like(out)]
-
-
-def _changes_float_precision(eqn) -> bool:
-  if eqn.primitive.name != "convert_element_type":
-    return False
-  source, target = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
-  return (jnp.issubdtype(source, jnp.floating) and jnp.issubdtype(target, jnp.floating)
-          and source != target)
 
 
 def broadcast_in_dim(rw, eqn, operands):
