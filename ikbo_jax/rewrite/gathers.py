@@ -52,7 +52,7 @@ def gather(rw, eqn, operands):
                   "known to lie in [0, U): clip it (jnp.clip(ids, 0, U - 1)), index with "
                   "user[ids] or pass mode='clip'")
   ids = rw.memo(("rows", num_users), indices.value, lambda i: i[:, 0])
-  rw.report.add("broadcast", eqn, bytes_saved=_nbytes(eqn.outvars[0].aval))
+  rw.report.add("broadcast", eqn, bytes_saved=nbytes(eqn.outvars[0].aval))
   return [Broadcast(value, ids, 0)]
 
 
@@ -73,7 +73,7 @@ def _within(indices: Plain, num_users: int) -> bool:
   return lo >= 0 and hi <= num_users - 1
 
 
-def _nbytes(aval) -> int:
+def nbytes(aval) -> int:
   return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
 
 

@@ -75,8 +75,8 @@ class Rewriter:
       except Decline as declined:
         outs, reason = None, str(declined)
         if not lazy:  # a gather that stays one: the copy it makes is what a broadcast avoids
-          self.report.add("materialized", eqn, reason=reason, bytes_saved=-sum(
-              math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize for v in eqn.outvars))
+          self.report.add("materialized", eqn, reason=reason,
+                          bytes_saved=-sum(gathers.nbytes(v.aval) for v in eqn.outvars))
       except Exception as error:  # a rule that fails is a bug in the rule, not in the program
         outs, reason = None, f"the {name} rule failed ({type(error).__name__}: {error})"
       if outs is not None:
