@@ -246,17 +246,6 @@ def test_gpu_small_ragged_shapes(implementation):
     _check(implementation, dtype, args, index, interpret=False)
 
 
-@pytest.mark.parametrize("num_users", [3, 300])
-def test_sum_per_user_both_paths(num_users):
-  from ikbo_jax.ops.linear_compression_xla import sum_per_user
-  rng = np.random.default_rng(13)
-  ids = jnp.asarray(rng.integers(0, num_users, 500), jnp.int32)
-  x = jnp.asarray(rng.normal(size=(500, 3, 2)), jnp.float32)
-  ref = np.zeros((num_users, 3, 2))
-  np.add.at(ref, np.asarray(ids), np.asarray(x))
-  np.testing.assert_allclose(sum_per_user(x, ids, num_users), ref, rtol=1e-5, atol=1e-5)
-
-
 class TestWithAndWithoutJit(chex.TestCase):
   """chex variants: the op's dispatch and validation hold traced and eagerly."""
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from ikbo_jax import _dispatch
 from ikbo_jax.ops.linear_compression_xla import take_rows
+from ikbo_jax.ops.user_sums import add_sorted_chunk, in_chunks
 
 _F32 = jnp.float32
 
@@ -83,19 +84,15 @@ def chunked(q, k, v, cand_to_user, kv_len, *, scale: float, chunk: int = 32, pre
   Each step gathers the K/V of only `chunk` candidates, so the live copy is
   `chunk * S * H * D` elements instead of `B * S * H * D`. The FLOPs are those
   of the materialized form; sharing K/V reads across a user's candidates is the
-  kernels' job. The backward runs chunk by chunk too and sums each user's K/V
-  gradients over its candidates in float32 (plain autodiff would accumulate
-  them in the input dtype, several times less accurately for 16-bit inputs).
+  kernels' job. The backward runs chunk by chunk too, over the candidates in
+  user order, and sums each user's K/V gradients over its candidates in
+  float32 in a fixed order (`user_sums.add_sorted_chunk`): plain autodiff
+  would accumulate them in the input dtype, several times less accurately for
+  16-bit inputs, and with a scatter-add whose GPU atomics change the last bits
+  from call to call.
   """
   return _chunked(scale, chunk, precision,
                   *_dispatch.common_varying_axes(q, k, v, cand_to_user, kv_len))
-
-
-def _in_chunks(x, chunk: int):
-  """`[B, ...]` zero-padded to whole chunks, as `[num_chunks, chunk, ...]`."""
-  padded = -(-x.shape[0] // chunk) * chunk
-  x = jnp.pad(x, [(0, padded - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-  return x.reshape(padded // chunk, chunk, *x.shape[1:])
 
 
 def _candidate_attention(scale, precision, kv_len, q_b, k_b, v_b, user):
@@ -129,17 +126,20 @@ def _chunked_bwd(scale, chunk, precision, residuals, cotangents):
     return vjp((d_out_b, d_lse_b))[:3]
 
   def chunk_step(sums, xs):
-    # Padding candidates carry zero cotangents, so they add nothing to user 0.
-    users = xs[1]
+    # Padding candidates carry zero cotangents and an id past U: they add nothing.
     dq, dk_rows, dv_rows = jax.vmap(candidate_grads)(*xs)
+    users = xs[1]
     dk_sum, dv_sum = sums
-    return (dk_sum.at[users].add(dk_rows.astype(_F32)),
-            dv_sum.at[users].add(dv_rows.astype(_F32))), dq
+    return (add_sorted_chunk(dk_sum, dk_rows, users), add_sorted_chunk(dv_sum, dv_rows, users)), dq
 
+  num_users = k.shape[0]
+  order = jnp.argsort(cand_to_user, stable=True)
+  xs = (in_chunks(q[order], chunk), in_chunks(cand_to_user[order], chunk, fill=num_users),
+        in_chunks(d_out[order], chunk), in_chunks(d_lse[order], chunk))
   zeros = jnp.zeros_like(k, _F32)  # typed like k: inside shard_map, varying as k does
-  xs = tuple(_in_chunks(x, chunk) for x in (q, cand_to_user, d_out, d_lse))
   (dk, dv), dq = jax.lax.scan(chunk_step, (zeros, zeros), xs)
-  dq = dq.reshape(-1, *q.shape[1:])[: q.shape[0]]
+  dq_sorted = dq.reshape(-1, *q.shape[1:])[: q.shape[0]]
+  dq = jnp.zeros_like(dq_sorted).at[order].set(dq_sorted, unique_indices=True)
   return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 

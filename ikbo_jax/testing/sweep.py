@@ -244,20 +244,18 @@ def _attention_problem(case: AttentionCase):
 def _repeatable_outputs(case, implementation: str, num_outputs: int) -> int:
   """How many leading outputs (forward, then gradients) must be bitwise repeatable.
 
-  Every forward must be. So must the gradients of the backward kernels that
-  promise it: Triton's target-attention backward (dk/dv summed per user in one
-  program) and the linear-compression kernels' backward while its per-user
-  reduction is a one-hot GEMM (more users take XLA's scatter-add, whose
-  atomics add in any order, as do XLA's own paths and cuDNN's backward).
+  Every forward must be, and every gradient of the IKBO paths: their per-user
+  sums run in a fixed order (`ikbo_jax.ops.user_sums`, the kernels' per-user
+  loops). Not held to it: the `xla_materialized` baseline (plain autodiff,
+  whose scatter-add adds with atomics on a GPU) and the self + target kernel's
+  user side, which runs cuDNN's backward.
   """
   forward = 2 if case.op != "linear_compression" else 1
-  kernels = ("triton", "mosaic_gpu")
-  if case.op == "target_attention" and implementation in kernels:
-    return num_outputs
-  if (case.op == "linear_compression" and implementation in kernels
-      and case.mapping.num_users <= 256):
-    return num_outputs
-  return forward
+  if implementation == "xla_materialized":
+    return forward
+  if case.op == "self_target_attention" and implementation == "mosaic_gpu":
+    return forward
+  return num_outputs
 
 
 def _reported_only(case, implementation: str) -> tuple[str, ...]:
