@@ -21,7 +21,7 @@ from benchmarks import common
 from benchmarks.self_target_attention import _inputs
 from benchmarks.target_attention import PUBLISHED
 from ikbo_jax.kernels.mosaic_gpu import target_attention as kernel
-from ikbo_jax.ops import target_attention_mosaic
+from ikbo_jax.ops.target_attention import mosaic_gpu as target_attention_mosaic
 
 # The first config is the reference the others' outputs are compared with.
 CONFIGS = {
@@ -35,7 +35,7 @@ def kernel_steps(seq_len: int, config: kernel.Config, shape=PUBLISHED) -> dict:
   (q_user, q_cand, k, v), index, _ = _inputs(shape, seq_len, jnp.bfloat16)
   kv_len = jnp.full(k.shape[0], seq_len, jnp.int32)
   common_args = dict(scale=1 / np.sqrt(k.shape[-1]), save_lse=False, config=config)
-  target = functools.partial(target_attention_mosaic.forward, **common_args)
+  target = functools.partial(target_attention_mosaic.aligned_forward, **common_args)
   fused = functools.partial(target_attention_mosaic.self_target_forward, causal=False,
                             **common_args)
   return {

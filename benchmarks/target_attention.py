@@ -26,7 +26,7 @@ import numpy as np
 from benchmarks import common
 from ikbo_jax import CandidateIndex, target_attention
 from ikbo_jax.kernels.mosaic_gpu import target_attention as mosaic_kernel
-from ikbo_jax.ops import target_attention_mosaic
+from ikbo_jax.ops.target_attention import mosaic_gpu as target_attention_mosaic
 
 PUBLISHED = dict(num_candidates=2048, num_users=32, heads=2, head_dim=128, n_seed=64)
 SMALL = dict(num_candidates=16, num_users=4, heads=2, head_dim=16, n_seed=8)  # --small, any backend
@@ -100,7 +100,7 @@ def variants(seq_len, shape, dtype, on_gpu, with_backward):
   for impl in ("mosaic_gpu", "triton"):
     rows[f"{impl}_shuffled"] = (jax.jit(_ikbo(impl)), (q, k, v, index), cost(q, k))
     rows[f"{impl}_sorted"] = (jax.jit(_ikbo(impl)), (q, k, v, sorted_index), cost(q, k))
-  per_item = functools.partial(target_attention_mosaic.forward, save_lse=False,
+  per_item = functools.partial(target_attention_mosaic.aligned_forward, save_lse=False,
                                scale=1 / np.sqrt(q.shape[-1]),
                                config=mosaic_kernel.Config(persistent=False))
   rows["mosaic_gpu_cta_per_tile_shuffled"] = (

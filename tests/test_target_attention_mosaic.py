@@ -9,6 +9,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 from conftest import (assert_within_reference_error, random_attention_args, random_index,
                       rel_err)
 from ikbo_jax import CandidateIndex, target_attention
+from ikbo_jax.testing import sweep
 
 
 def _problem(seed, num_users, num_cands, t, s, h, d, dtype=jnp.bfloat16, empty_users=1):
@@ -101,8 +102,8 @@ def test_lowers_for_h200_at_benchmark_shape(t, d, monkeypatch):
 
   def forward_one_cta_per_item(q, k, v, ids, kv_len):
     from ikbo_jax.kernels.mosaic_gpu.target_attention import Config
-    from ikbo_jax.ops import target_attention_mosaic
-    return target_attention_mosaic.forward(
+    from ikbo_jax.ops.target_attention import mosaic_gpu as target_attention_mosaic
+    return target_attention_mosaic.aligned_forward(
         q, k, v, CandidateIndex.from_mapping(ids, num_users), kv_len, scale=0.1,
         save_lse=True, config=Config(persistent=False))
 
@@ -142,13 +143,13 @@ def test_interpret_persistent_equals_one_cta_per_item(t):
   """Two simulated SMs each running many (tile, head) items equal one CTA per item
   (this also checks that each item computes with its own queries, loaded one item ahead)."""
   from ikbo_jax.kernels.mosaic_gpu.target_attention import Config
-  from ikbo_jax.ops import target_attention_mosaic
+  from ikbo_jax.ops.target_attention import mosaic_gpu as target_attention_mosaic
   (q, k, v), index = _problem(20 + t, num_users=4, num_cands=9, t=t, s=256, h=2, d=64)
   kv_len = jnp.array([256, 1, 0, 131])
-  out, lse = target_attention_mosaic.forward(
+  out, lse = target_attention_mosaic.aligned_forward(
       q, k, v, index, kv_len, scale=0.125, save_lse=True, config=Config(persistent=False),
       interpret=True)
-  ref, ref_lse = target_attention_mosaic.forward(
+  ref, ref_lse = target_attention_mosaic.aligned_forward(
       q, k, v, index, kv_len, scale=0.125, save_lse=True, config=Config(), interpret=True)
   # The same arithmetic in two XLA graphs: equal up to rounding (XLA promises no
   # bit patterns across graphs or machines).
@@ -162,13 +163,13 @@ def test_interpret_lazy_rescale_within_reference_error():
   rescaling and the float32 reference, with logits spread wide enough (scaled queries) that
   some blocks move the max and others do not."""
   from ikbo_jax.kernels.mosaic_gpu.target_attention import Config
-  from ikbo_jax.ops import target_attention_mosaic
+  from ikbo_jax.ops.target_attention import mosaic_gpu as target_attention_mosaic
   (q, k, v), index = _problem(8, num_users=3, num_cands=7, t=32, s=384, h=1, d=64)
   q = (q.astype(jnp.float32) * 4).astype(q.dtype)
   kv_len = jnp.array([384, 200, 0])
-  out, lse = target_attention_mosaic.forward(
+  out, lse = target_attention_mosaic.aligned_forward(
       q, k, v, index, kv_len, scale=0.125, save_lse=True, config=Config(), interpret=True)
-  _, eager_lse = target_attention_mosaic.forward(
+  _, eager_lse = target_attention_mosaic.aligned_forward(
       q, k, v, index, kv_len, scale=0.125, save_lse=True, config=Config(lazy_rescale=False),
       interpret=True)
   same, f32 = [target_attention(*[a.astype(dtype) for a in (q, k, v)], index, kv_len=kv_len,
@@ -176,3 +177,19 @@ def test_interpret_lazy_rescale_within_reference_error():
                for dtype in (q.dtype, jnp.float32)]
   assert_within_reference_error(out, same, f32)
   np.testing.assert_allclose(lse, eager_lse, rtol=1e-5, atol=1e-5)
+
+
+# The Mosaic GPU backward (dq per query tile, dk/dv per user in one CTA) under
+# the interpreter: T that packs and T that spans blocks, S = 1 and S past a
+# block, lengths 0, 1 and S, users without candidates, unsorted mappings.
+_HOPPER_BACKWARD_CASES = (
+    sweep.AttentionCase(0, sweep.Mapping(3, 7, 0, False), 7, 130, 2, 64, (130, 1, 0), "bfloat16"),
+    sweep.AttentionCase(1, sweep.Mapping(2, 40, 0, False), 65, 200, 1, 64, (200, 65), "float16"),
+    sweep.AttentionCase(2, sweep.Mapping(4, 30, 1, True), 1, 1, 2, 128, (1, 1, 0, 1), "bfloat16"),
+)
+
+
+@pytest.mark.parametrize("case", _HOPPER_BACKWARD_CASES, ids=["t7", "t65", "s1"])
+def test_interpret_hopper_backward_within_reference_error(case):
+  (result,) = sweep.run_case(case, (sweep.HOPPER_BACKWARD,), interpret=True)
+  assert result.ok, result.describe()

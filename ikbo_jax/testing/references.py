@@ -14,7 +14,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ikbo_jax.ops import linear_compression_xla, self_target_attention_xla, target_attention_xla
+from ikbo_jax.ops import linear_compression_xla
+from ikbo_jax.ops.self_target_attention import xla as self_target_attention_xla
+from ikbo_jax.ops.target_attention import xla as target_attention_xla
 
 _F32 = jnp.float32
 

@@ -1,6 +1,6 @@
 """Target attention forward, Pallas Mosaic GPU backend (Hopper): packed candidate queries.
 
-One CTA owns one packed query tile (see `ikbo_jax.query_tiles`) and one head:
+One CTA owns one packed query tile (see `query_tiles`) and one head:
 `NUM_CONSUMERS` row blocks of 64 query rows, all from candidates of one user.
 A producer warpgroup streams that user's K/V blocks through shared memory with
 TMA, and each K/V block serves every candidate of the tile, which is what
@@ -45,7 +45,7 @@ from ikbo_jax.kernels.mosaic_gpu import inline
 from ikbo_jax.kernels.mosaic_gpu.attention_gemms import Turns, accumulate_pv
 from ikbo_jax.kernels.mosaic_gpu.common import (
     NUM_CONSUMERS, PRODUCER_REGISTERS, interpret_params, num_sms, smem_transforms)
-from ikbo_jax.query_tiles import QueryTiles
+from ikbo_jax.kernels.mosaic_gpu.query_tiles import QueryTiles
 
 BLOCK_ROWS = 64  # query rows per consumer: one WGMMA M extent
 _LOG2E = math.log2(math.e)

@@ -26,7 +26,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from ikbo_jax.index import CandidateIndex
 from ikbo_jax.kernels.triton.target_attention import Config
 
 _F32 = jnp.float32
@@ -109,8 +108,9 @@ def _dkv_kernel(user_offsets_ref, sort_order_ref, kv_len_ref, q_ref, k_ref, v_re
   plt.store(dv_ref.at[keys], dv.astype(dv_ref.dtype), mask=in_seq[:, None])
 
 
-def target_attention_backward(q, k, v, out, lse, d_out, d_lse, index: CandidateIndex, kv_len, *,
-                              scale: float, config: Config = Config(), interpret: bool = False):
+def target_attention_backward(q, k, v, out, lse, d_out, d_lse, cand_to_user, user_offsets,
+                              sort_order, kv_len, *, scale: float, config: Config = Config(),
+                              interpret: bool = False):
   """`(dq, dk, dv)` of target attention.
 
   Args:
@@ -118,8 +118,10 @@ def target_attention_backward(q, k, v, out, lse, d_out, d_lse, index: CandidateI
     lse: `[B, T, H]` float32, the forward's log-sum-exp (`-inf` where `kv_len == 0`).
     d_lse: None or the cotangent of `lse`; since `d lse / d logits = p`, it
       enters as `delta - d_lse`.
-    index: the candidate index (its sort order and per-user offsets drive the
-      dk/dv loop); ids must already lie in `[0, U)`.
+    cand_to_user: `int32[B]` in `[0, U)`.
+    user_offsets: `int32[U + 1]`, user `u`'s candidates are
+      `sort_order[user_offsets[u]:user_offsets[u + 1]]` (they drive the dk/dv loop).
+    sort_order: `int32[B]`, the candidates grouped by user.
     kv_len: `int32[U]` with values in `[0, S]`.
     scale: the logit scale.
     config: tile sizes and Triton launch parameters (the forward's `Config`).
@@ -139,7 +141,7 @@ def target_attention_backward(q, k, v, out, lse, d_out, d_lse, index: CandidateI
       compiler_params=params,
       interpret=interpret,
       name="ikbo_target_attention_dq_triton",
-  )(index.clamped_cand_to_user, kv_len, q, k, v, d_out, lse, delta)
+  )(cand_to_user, kv_len, q, k, v, d_out, lse, delta)
   # A candidate's T rows in blocks of a power of two: at least 16 rows, at most
   # 128 and at most 32 KB of queries (64 rows of float32 at D = 128). Larger
   # blocks do not fit in shared memory (bfloat16 T = 256 asked for 330 KB).
@@ -152,5 +154,5 @@ def target_attention_backward(q, k, v, out, lse, d_out, d_lse, index: CandidateI
       compiler_params=params,
       interpret=interpret,
       name="ikbo_target_attention_dkv_triton",
-  )(index.user_offsets, index.sort_order, kv_len, q, k, v, d_out, lse, delta)
+  )(user_offsets, sort_order, kv_len, q, k, v, d_out, lse, delta)
   return dq, dk, dv

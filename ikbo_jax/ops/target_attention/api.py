@@ -2,92 +2,36 @@
 
 `out[b, i, h] = softmax_{j < kv_len[u(b)]}(scale * q[b, i, h] . k[u(b), j, h]) @ v[u(b), :, h]`
 with `u = cand_to_user` (`docs/design.md`). This module holds the public op, its
-validation and its dispatch. The XLA implementations differentiate by autodiff.
-The kernel paths (Triton, Mosaic GPU) run their forward kernel under one
-`custom_vjp` whose backward is the Triton dq and dk/dv kernels (dk/dv summed
-per user inside the kernel, deterministic).
+validation and its dispatch. The XLA implementations (`xla.py`) differentiate
+by autodiff; the kernel backends (`triton.py`, `mosaic_gpu.py`) each bring a
+forward and a backward, run under the one `custom_vjp` in `vjp.py`.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Literal
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
 from ikbo_jax import _dispatch
 from ikbo_jax import _validation as checks
 from ikbo_jax.index import CandidateIndex, as_int32
-from ikbo_jax.kernels.triton import target_attention as triton_kernel
-from ikbo_jax.kernels.triton import target_attention_backward as triton_backward
-from ikbo_jax.ops import target_attention_mosaic as mosaic
-from ikbo_jax.ops import target_attention_xla as xla
+from ikbo_jax.ops.target_attention import mosaic_gpu, triton, xla
+from ikbo_jax.ops.target_attention.params import Params
+from ikbo_jax.ops.target_attention.vjp import kernel_attention
 
 Implementation = Literal["xla_materialized", "xla", "triton", "mosaic_gpu"]
 
-
-def mosaic_head_dim_limit(head_dim: int) -> str | None:
-  if head_dim not in mosaic.SUPPORTED_HEAD_DIMS:
-    return f"supports head dims D in {mosaic.SUPPORTED_HEAD_DIMS}, got D={head_dim}"
-  return None
-
-
-def _triton_head_dim_limit(head_dim: int) -> str | None:
-  # Triton's block shapes are powers of two and its dot needs at least 16.
-  if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-    return f"supports head dims D that are powers of two in [16, 256], got D={head_dim}"
-  return None
-
-
+KERNEL_BACKENDS = {b.name: b for b in (mosaic_gpu.BACKEND, triton.BACKEND)}
 # In order of preference for `implementation=None`.
 BACKENDS = (
-    _dispatch.Backend("mosaic_gpu", is_kernel=True, dtypes=_dispatch.HALF_FLOATS,
-                      device="hopper", limits=mosaic_head_dim_limit),
-    _dispatch.Backend("triton", is_kernel=True, device="gpu", limits=_triton_head_dim_limit),
+    mosaic_gpu.BACKEND.support,
+    triton.BACKEND.support,
     _dispatch.Backend("xla", is_kernel=False),
     _dispatch.Backend("xla_materialized", is_kernel=False, default_dtypes=()),
 )
 IMPLEMENTATIONS = _dispatch.names(BACKENDS)
-
-
-def _kernel_forward(implementation, scale, interpret, masked, save_lse, q, k, v, index, kv_len):
-  if implementation == "mosaic_gpu":
-    return mosaic.forward(q, k, v, index, kv_len, scale=scale, save_lse=save_lse,
-                          mask_past_length=masked, interpret=interpret)
-  return triton_kernel.target_attention_forward(
-      q, k, v, index.clamped_cand_to_user, kv_len, scale=scale, interpret=interpret)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _kernel_attention(implementation, scale, interpret, masked, return_lse, q, k, v, index,
-                      kv_len):
-  """`masked`: the caller gave lengths, so rows past them may be padding (any value)."""
-  out, lse = _kernel_forward(implementation, scale, interpret, masked, return_lse, q, k, v, index,
-                             kv_len)
-  return (out, lse) if return_lse else out
-
-
-def _kernel_attention_fwd(implementation, scale, interpret, masked, return_lse, q, k, v, index,
-                          kv_len):
-  out, lse = _kernel_forward(implementation, scale, interpret, masked, True, q, k, v, index,
-                             kv_len)
-  return ((out, lse) if return_lse else out), (q, k, v, out, lse, index, kv_len)
-
-
-def _kernel_attention_bwd(implementation, scale, interpret, masked, return_lse, residuals,
-                          cotangents):
-  # The Triton backward loads only rows before kv_len: padding is never read.
-  del implementation, masked
-  q, k, v, out, lse, index, kv_len = residuals
-  d_out, d_lse = cotangents if return_lse else (cotangents, None)
-  grads = triton_backward.target_attention_backward(
-      q, k, v, out, lse, d_out, d_lse, index, kv_len, scale=scale, interpret=interpret)
-  return (*grads, None, None)
-
-
-_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 
 
 def default_implementation(dtype, head_dim: int) -> str:
@@ -141,21 +85,19 @@ def target_attention(q, k, v, index: CandidateIndex, *, kv_len=None, scale: floa
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)  # NumPy inputs index like arrays
   dtype = checks.check_float_dtypes(q=q, k=k, v=v)
   interpret = checks.check_flag("interpret", interpret)
-  backend = _dispatch.resolve(BACKENDS, implementation, dtype, interpret=interpret,
-                              head_dim=q.shape[-1])
-  implementation = backend.name
-  return_lse = checks.check_flag("return_lse", return_lse)
-  masked = kv_len is not None
+  implementation = _dispatch.resolve(BACKENDS, implementation, dtype, interpret=interpret,
+                                     head_dim=q.shape[-1]).name
+  params = Params(scale=checks.resolve_scale(scale, q.shape[-1]), masked=kv_len is not None,
+                  return_lse=checks.check_flag("return_lse", return_lse), interpret=interpret)
   kv_len = prepare_kv_len(kv_len, index, k.shape[1], checks.check_flag("checked", checked))
-  scale = checks.resolve_scale(scale, q.shape[-1])
   if implementation != "xla_materialized":
     _dispatch.reverse_mode_only("ikbo_jax.target_attention", q, k, v)
-  if backend.is_kernel:
-    return _kernel_attention(implementation, scale, interpret, masked, return_lse,
-                             *_dispatch.common_varying_axes(q, k, v, index, kv_len))
+  if implementation in KERNEL_BACKENDS:
+    return kernel_attention(KERNEL_BACKENDS[implementation], params,
+                            *_dispatch.common_varying_axes(q, k, v, index, kv_len))
   impl = xla.materialized if implementation == "xla_materialized" else xla.chunked
-  out, lse = impl(q, k, v, index.clamped_cand_to_user, kv_len, scale=scale)
-  return (out, lse) if return_lse else out
+  out, lse = impl(q, k, v, index.clamped_cand_to_user, kv_len, scale=params.scale)
+  return (out, lse) if params.return_lse else out
 
 
 def prepare_kv_len(kv_len, index: CandidateIndex, seq_len: int, checked: bool):

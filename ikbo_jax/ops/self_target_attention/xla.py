@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ikbo_jax.ops import target_attention_xla
+from ikbo_jax.ops.target_attention import xla as target_xla
 
 
 def self_attention(q_user, k, v, kv_len, *, scale: float, causal: bool, precision=None):
   """Each user's queries over its own keys `< kv_len`; padded query rows are zeros (never read)."""
-  out, _ = target_attention_xla.attention(target_attention_xla.zero_past_length(q_user, kv_len),
+  out, _ = target_xla.attention(target_xla.zero_past_length(q_user, kv_len),
                                           k, v, kv_len, scale=scale, causal=causal,
                                           precision=precision)
-  return target_attention_xla.zero_past_length(out, kv_len).astype(q_user.dtype)
+  return target_xla.zero_past_length(out, kv_len).astype(q_user.dtype)
 
 
 def self_target(q_user, q_cand, k, v, cand_to_user, kv_len, *, scale: float, causal: bool,
@@ -24,6 +24,6 @@ def self_target(q_user, q_cand, k, v, cand_to_user, kv_len, *, scale: float, cau
   """`(out_user, out_cand)`: self-attention of the users, target attention of the candidates."""
   out_user = self_attention(q_user, k, v, kv_len, scale=scale, causal=causal,
                             precision=precision)
-  out_cand, _ = target_attention_xla.chunked(q_cand, k, v, cand_to_user, kv_len, scale=scale,
+  out_cand, _ = target_xla.chunked(q_cand, k, v, cand_to_user, kv_len, scale=scale,
                                              precision=precision)
   return out_user, out_cand

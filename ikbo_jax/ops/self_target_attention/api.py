@@ -3,96 +3,30 @@
 `out_user[u] = attention(q_user[u], k[u], v[u])` (non-causal by default, or
 causal) and `out_cand[b] = attention(q_cand[b], k[u(b)], v[u(b)])`, both over
 keys `< kv_len[u]`; user query rows at positions `>= kv_len[u]` are padding and
-come out as zeros (`docs/design.md`). The Mosaic GPU path computes both in one
-launch; its backward sums the K/V gradients of both query kinds.
+come out as zeros (`docs/design.md`). This module holds the public op, its
+validation and dispatch; `xla.py` the XLA implementation; `mosaic_gpu.py` the
+one-launch Hopper kernel path and its backward.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Literal
 
-import jax
 import jax.numpy as jnp
 
 from ikbo_jax import _dispatch
 from ikbo_jax import _validation as checks
 from ikbo_jax.index import CandidateIndex
-from ikbo_jax.kernels.triton import target_attention_backward as triton_backward
-from ikbo_jax.ops import self_target_attention_xla as xla
 from ikbo_jax.ops import target_attention as target
-from ikbo_jax.ops import target_attention_mosaic as mosaic
-from ikbo_jax.ops.target_attention_xla import zero_past_length
+from ikbo_jax.ops.self_target_attention import mosaic_gpu, xla
 
 Implementation = Literal["xla", "mosaic_gpu"]
 # In order of preference for `implementation=None`.
 BACKENDS = (
-    _dispatch.Backend("mosaic_gpu", is_kernel=True, dtypes=_dispatch.HALF_FLOATS,
-                      device="hopper", limits=target.mosaic_head_dim_limit),
+    mosaic_gpu.SUPPORT,
     _dispatch.Backend("xla", is_kernel=False),
 )
 IMPLEMENTATIONS = _dispatch.names(BACKENDS)
-_F32 = jnp.float32
-
-
-def _self_attention_cudnn(q_user, k, v, kv_len, *, scale: float, causal: bool, masked: bool):
-  """`xla.self_attention` on cuDNN's fused attention (GPU only; bfloat16/float16).
-
-  cuDNN's padding mask takes the same lengths for queries and keys. A user with
-  `kv_len == 0` is given one key (its row is zeroed below, so its gradient is
-  zero) because a fully masked softmax would be 0/0 inside cuDNN. That mask
-  applies to the logits only, so with lengths given (`masked`) the padding
-  rows are zeroed first: its backward would multiply them by zeros, and
-  `0 * NaN` is NaN. cuDNN's masked training path also wants an even sequence
-  length: an odd `S` gets one padding position, past every length.
-  """
-  if masked:
-    q_user, k, v = (zero_past_length(x, kv_len) for x in (q_user, k, v))
-  seq_len = q_user.shape[1]
-  if seq_len % 2:
-    pad = ((0, 0), (0, 1), (0, 0), (0, 0))
-    q_user, k, v = (jnp.pad(x, pad) for x in (q_user, k, v))
-  out = jax.nn.dot_product_attention(
-      q_user, k, v, scale=scale, is_causal=causal, query_seq_lengths=jnp.maximum(kv_len, 1),
-      key_value_seq_lengths=jnp.maximum(kv_len, 1), implementation="cudnn")
-  return zero_past_length(out[:, :seq_len], kv_len).astype(q_user.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _fused(scale, causal, interpret, masked, q_user, q_cand, k, v, index, kv_len):
-  """`masked`: the caller gave lengths, so rows past them may be padding (any value)."""
-  out_user, out_cand, _ = mosaic.self_target_forward(
-      q_user, q_cand, k, v, index, kv_len, scale=scale, causal=causal, save_lse=False,
-      mask_past_length=masked, interpret=interpret)
-  return out_user, out_cand
-
-
-def _fused_fwd(scale, causal, interpret, masked, q_user, q_cand, k, v, index, kv_len):
-  out_user, out_cand, lse = mosaic.self_target_forward(
-      q_user, q_cand, k, v, index, kv_len, scale=scale, causal=causal, save_lse=True,
-      mask_past_length=masked, interpret=interpret)
-  return (out_user, out_cand), (q_user, q_cand, k, v, out_cand, lse, index, kv_len)
-
-
-def _fused_bwd(scale, causal, interpret, masked, residuals, cotangents):
-  """Candidate side on the Triton backward kernels, user side on cuDNN (XLA off the GPU)."""
-  q_user, q_cand, k, v, out_cand, lse, index, kv_len = residuals
-  d_out_user, d_out_cand = cotangents
-  d_q_cand, d_k_cand, d_v_cand = triton_backward.target_attention_backward(
-      q_cand, k, v, out_cand, lse, d_out_cand, None, index, kv_len, scale=scale,
-      interpret=interpret)
-  on_gpu = not interpret and jax.default_backend() == "gpu"
-  self_attention = (functools.partial(_self_attention_cudnn, masked=masked) if on_gpu
-                    else xla.self_attention)
-  _, self_vjp = jax.vjp(
-      lambda q_, k_, v_: self_attention(q_, k_, v_, kv_len, scale=scale, causal=causal),
-      q_user, k, v)
-  d_q_user, d_k_user, d_v_user = self_vjp(d_out_user)
-  total = lambda a, b: (a.astype(_F32) + b.astype(_F32)).astype(a.dtype)
-  return (d_q_user, d_q_cand, total(d_k_cand, d_k_user), total(d_v_cand, d_v_user), None, None)
-
-
-_fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def default_implementation(dtype, head_dim: int) -> str:
@@ -159,7 +93,8 @@ def self_target_attention(q_user, q_cand, k, v, index: CandidateIndex, *, kv_len
   causal = checks.check_flag("causal", causal)
   _dispatch.reverse_mode_only("ikbo_jax.self_target_attention", q_user, q_cand, k, v)
   if implementation == "mosaic_gpu":
-    return _fused(scale, causal, interpret, masked,
-                  *_dispatch.common_varying_axes(q_user, q_cand, k, v, index, kv_len))
+    params = mosaic_gpu.Params(scale=scale, causal=causal, masked=masked, interpret=interpret)
+    return mosaic_gpu.fused(params,
+                            *_dispatch.common_varying_axes(q_user, q_cand, k, v, index, kv_len))
   return xla.self_target(q_user, q_cand, k, v, index.clamped_cand_to_user, kv_len, scale=scale,
                          causal=causal)

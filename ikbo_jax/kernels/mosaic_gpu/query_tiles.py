@@ -1,4 +1,4 @@
-"""Packed query tiles: the task list attention kernels run, built once from a `CandidateIndex`.
+"""Packed query tiles: the task list attention kernels run, built once from the candidate grouping.
 
 Target attention kernels give each CTA a query tile whose rows all belong to
 candidates of one user, so that every K/V tile the CTA loads into shared memory
@@ -8,7 +8,8 @@ candidate, a block holds `block_rows // T` whole candidates when `T` divides
 `block_rows`, or one `block_rows`-row piece of one candidate when `block_rows`
 divides `T`.
 
-The list is computed in XLA from the index's sort order, so an unsorted mapping
+The list is computed in XLA from the candidates grouped by user (a sort order
+and per-user offsets, as `ikbo_jax.CandidateIndex` holds them), so an unsorted mapping
 costs nothing in the kernel: it reads candidate ids from the list and copies
 their query rows by index. Users with zero candidates get no tile. The number
 of tiles depends on the traced counts, so the list has a static length (an
@@ -22,13 +23,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ikbo_jax.index import CandidateIndex
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QueryTiles:
-  """The tiles of one (index, T) pair.
+  """The tiles of one (candidate grouping, T) pair.
 
   Attributes:
     user: `int32[num_tiles]`, the user whose K/V the tile attends to (a valid
@@ -109,13 +108,20 @@ def max_num_tiles(num_candidates: int, num_users: int, num_queries: int, block_r
   return max(1, numerator // (cpb * blocks_per_tile))
 
 
-def build(index: CandidateIndex, num_queries: int, *, block_rows: int = 64,
+def build(sort_order, user_offsets, num_queries: int, *, block_rows: int = 64,
           blocks_per_tile: int = 2) -> QueryTiles:
-  """The packed query tiles of `index` for `num_queries` (T) query rows per candidate.
+  """The packed query tiles for `num_queries` (T) query rows per candidate.
 
-  >>> from ikbo_jax import CandidateIndex
-  >>> index = CandidateIndex.from_mapping(jnp.array([1, 0, 1, 1]), num_users=3)
-  >>> tiles = build(index, num_queries=32, block_rows=64, blocks_per_tile=1)
+  Args:
+    sort_order: `int32[B]`, the candidates grouped by user (ascending user).
+    user_offsets: `int32[U + 1]`, user `u`'s candidates are
+      `sort_order[user_offsets[u]:user_offsets[u + 1]]`.
+    num_queries: T, which must pack (`packable`).
+    block_rows: query rows per block.
+    blocks_per_tile: blocks per tile.
+
+  >>> sort_order, user_offsets = jnp.array([1, 0, 2, 3]), jnp.array([0, 1, 4, 4])  # users 1, 0, 1, 1
+  >>> tiles = build(sort_order, user_offsets, num_queries=32, block_rows=64, blocks_per_tile=1)
   >>> tiles.user[:3].tolist(), tiles.num_valid[:3, 0].tolist()
   ([0, 1, 1], [1, 2, 1])
   >>> tiles.cands[:3, 0].tolist()
@@ -125,8 +131,8 @@ def build(index: CandidateIndex, num_queries: int, *, block_rows: int = 64,
     raise ValueError(f"num_queries={num_queries} must divide or be a multiple of "
                      f"block_rows={block_rows}; see packed_num_queries")
   cpb, bpc = max(1, block_rows // num_queries), max(1, num_queries // block_rows)
-  num_cands, num_users = index.num_candidates, index.num_users
-  counts = index.user_counts
+  num_cands, num_users = sort_order.shape[0], user_offsets.shape[0] - 1
+  counts = jnp.diff(user_offsets)
   user_blocks = -(-counts // cpb) * bpc
   user_tiles = -(-user_blocks // blocks_per_tile)
   user_tile_start = jnp.concatenate(
@@ -143,8 +149,8 @@ def build(index: CandidateIndex, num_queries: int, *, block_rows: int = 64,
   # Rank of each slot's candidate among its user's candidates.
   rank = (block // bpc)[..., None] * cpb + jnp.arange(cpb, dtype=jnp.int32)
   slot_live = block_live[..., None] & (rank < counts[user][:, None, None])
-  position = index.user_offsets[user][:, None, None] + rank
-  cands = index.sort_order[jnp.clip(position, 0, num_cands - 1)]
+  position = user_offsets[user][:, None, None] + rank
+  cands = sort_order[jnp.clip(position, 0, num_cands - 1)]
   # Dead slots repeat the block's first candidate (or any valid id), so the
   # kernel's extra rows read real, finite data.
   cands = jnp.where(slot_live, cands, cands[..., :1])

@@ -1,0 +1,56 @@
+"""The kernel paths' `custom_vjp`, wired once: a backend brings its forward and its backward.
+
+A `KernelBackend` declares what it supports (`_dispatch.Backend`) and owns
+two functions over arrays and `Params`:
+
+- `forward(params, q, k, v, index, kv_len, save_lse) -> (out, lse or None)`;
+- `backward(params, q, k, v, out, lse, index, kv_len, d_out, d_lse) -> (dq, dk, dv)`,
+  where `lse` is the forward's float32 log-sum-exp and `d_lse` is None when
+  the caller did not ask for the lse.
+
+The residuals are the inputs, the output and the lse: every backward
+recomputes the probabilities from the lse (FlashAttention-2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+
+from ikbo_jax import _dispatch
+from ikbo_jax.ops.target_attention.params import Params
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBackend:
+  support: _dispatch.Backend
+  forward: Callable
+  backward: Callable
+
+  @property
+  def name(self) -> str:
+    return self.support.name
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def kernel_attention(backend: KernelBackend, params: Params, q, k, v, index, kv_len):
+  """`out`, or `(out, lse)` with `params.return_lse`, on `backend`'s kernels."""
+  out, lse = backend.forward(params, q, k, v, index, kv_len, save_lse=params.return_lse)
+  return (out, lse) if params.return_lse else out
+
+
+def _forward(backend, params, q, k, v, index, kv_len):
+  out, lse = backend.forward(params, q, k, v, index, kv_len, save_lse=True)
+  return ((out, lse) if params.return_lse else out), (q, k, v, out, lse, index, kv_len)
+
+
+def _backward(backend, params, residuals, cotangents):
+  d_out, d_lse = cotangents if params.return_lse else (cotangents, None)
+  dq, dk, dv = backend.backward(params, *residuals, d_out, d_lse)
+  return dq, dk, dv, None, None
+
+
+kernel_attention.defvjp(_forward, _backward)
