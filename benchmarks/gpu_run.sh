@@ -7,6 +7,8 @@
 # "system" (the ranking system benchmark and the main job at the benchmark preset),
 # "rewrite" (original vs rewritten vs hand-written IKBO code), "fuzz" (the rewrite's property test
 # on the host's CPUs), "rewrite_tests" (the rewrite's tests on the GPU),
+# "backward" (the Mosaic GPU attention backward's GPU tests and regression tests, then the
+# attention benchmark with its fwd_bwd/ and bwd/ rows; the step to run first once it compiles),
 # "attention_tests" (the attention GPU tests only), "attention_diagnostics" and "attention_ncu" (Nsight Compute). DIAG_ARGS go to the attention diagnostics. BENCH_ARGS=--no-sweeps shortens the lc step.
 set -uo pipefail
 OUT=${OUT:-/tmp/ikbo_out}; mkdir -p "$OUT"
@@ -18,6 +20,14 @@ if has lc; then
   timeout "${BENCH_TIMEOUT:-240}" python3 -m benchmarks.linear_compression ${BENCH_ARGS:-} \
     --out "$OUT/linear_compression_h200.json" > "$OUT/bench.log" 2>&1
   tail -n 13 "$OUT/bench.log"
+fi
+if has backward; then
+  timeout 300 python3 -m pytest -q -x -s tests/test_target_attention_mosaic.py tests/test_regressions.py \
+    -m gpu -k "hopper or single_position or one_key or bit_repeatable" 2>&1 \
+    | tee "$OUT/gpu_backward_tests.log" | tail -n 30
+  timeout 280 python3 -m benchmarks.target_attention --seq-lens 512 1024 2048 4096 8192 \
+    --out "$OUT/target_attention_backward_h200.json" > "$OUT/attention_bench.log" 2>&1
+  tail -n 6 "$OUT/attention_bench.log" | cut -c1-1500
 fi
 if has attention; then
   timeout 200 python3 -m benchmarks.target_attention --out "$OUT/target_attention_h200.json" \

@@ -11,7 +11,10 @@ kernels with a shuffled and a sorted mapping (Mosaic GPU persistent: one CTA per
 SM looping over tiles), the Mosaic GPU kernel with one CTA per tile, and Mosaic GPU with the published
 odd counts (each user 64 or 65 candidates at random, so B differs and rows
 compare by TFLOP/s). Forward FLOPs are `4 * B * H * n_seed * S * D`; forward +
-backward counts 2.5x that.
+backward counts 3.5x that (the backward's five GEMMs against the forward's
+two), the backward alone 2.5x. `fwd_bwd/` rows time `jax.grad`, `bwd/` rows the
+VJP function alone (its residuals computed outside the timing); `hopper_bwd`
+rows run the Mosaic GPU backward kernels, the other IKBO rows the Triton ones.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from benchmarks import common
 from ikbo_jax import CandidateIndex, target_attention
 from ikbo_jax.kernels.mosaic_gpu import target_attention as mosaic_kernel
 from ikbo_jax.ops.target_attention import mosaic_gpu as target_attention_mosaic
+from ikbo_jax.ops.target_attention.params import Params
+from ikbo_jax.ops.target_attention.vjp import kernel_attention
 
 PUBLISHED = dict(num_candidates=2048, num_users=32, heads=2, head_dim=128, n_seed=64)
 SMALL = dict(num_candidates=16, num_users=4, heads=2, head_dim=16, n_seed=8)  # --small, any backend
@@ -51,6 +56,20 @@ def _packed_cudnn(q, k, v):
 
 def _ikbo(implementation):
   return functools.partial(target_attention, implementation=implementation)
+
+
+def _hopper_backward(q, k, v, index):
+  """Mosaic GPU forward and the Mosaic GPU backward kernels, full-length histories."""
+  params = Params(scale=1 / np.sqrt(q.shape[-1]), masked=False, return_lse=False)
+  kv_len = jnp.full((k.shape[0],), k.shape[1], jnp.int32)
+  return kernel_attention(target_attention_mosaic.HOPPER_BACKWARD_BACKEND, params, q, k, v,
+                          index, kv_len)
+
+
+def _bwd_only(fn, operands, d_out):
+  """`(timed fn, operands)`: the VJP of `fn` at `operands`, its residuals computed once here."""
+  _, vjp = jax.jit(lambda *a: jax.vjp(fn, *a))(*operands)
+  return jax.jit(lambda vjp, d_out: vjp(d_out)), (vjp, d_out.astype(operands[0].dtype))
 
 
 def _fwd_bwd(fn, num_diff: int = 3):
@@ -82,8 +101,10 @@ def variants(seq_len, shape, dtype, on_gpu, with_backward):
   def cost(q, k, backward=False):
     """(FLOPs, fewest bytes): read q, k, v and write out (+ read d_out, write dq, dk, dv)."""
     flops = 4 * q.shape[0] * q.shape[2] * q.shape[1] * seq_len * q.shape[3]
-    if backward:
-      return 2.5 * flops, q.dtype.itemsize * (3 * q.size + 4 * k.size)
+    if backward == "fwd_bwd":
+      return 3.5 * flops, q.dtype.itemsize * (3 * q.size + 4 * k.size)
+    if backward == "bwd":
+      return 2.5 * flops, q.dtype.itemsize * (4 * q.size + 4 * k.size)
     return flops, q.dtype.itemsize * (2 * q.size + 2 * k.size)
 
   uniform = np.full(u, shape["num_candidates"] // u)
@@ -111,15 +132,20 @@ def variants(seq_len, shape, dtype, on_gpu, with_backward):
   rows["mosaic_gpu_odd_shuffled"] = (jax.jit(_ikbo("mosaic_gpu")),
                                      (q_odd, k_odd, v_odd, odd_index), cost(q_odd, k_odd))
   if with_backward:
-    rows.update({
-        "fwd_bwd/broadcast_cudnn": (_fwd_bwd(lambda q, k, v: _broadcast_cudnn(q, k, v, ids)),
-                                    (q, k, v, d_out), cost(q, k, backward=True)),
-        "fwd_bwd/cudnn_packed_sorted": (_fwd_bwd(_packed_cudnn), (q, k, v, d_out),
-                                        cost(q, k, backward=True)),
-        "fwd_bwd/mosaic_gpu_shuffled": (
-            _fwd_bwd(lambda q, k, v: _ikbo("mosaic_gpu")(q, k, v, index)), (q, k, v, d_out),
-            cost(q, k, backward=True)),
-    })
+    packed = lambda q, k, v, index: _packed_cudnn(q, k, v)
+    broadcast = lambda q, k, v, index: _broadcast_cudnn(q, k, v, ids)
+    paths = {"broadcast_cudnn": (broadcast, sorted_index),
+             "cudnn_packed_sorted": (packed, sorted_index),
+             "mosaic_gpu_shuffled": (_ikbo("mosaic_gpu"), index),
+             "mosaic_gpu_sorted": (_ikbo("mosaic_gpu"), sorted_index),
+             "triton_shuffled": (_ikbo("triton"), index),
+             "hopper_bwd_shuffled": (_hopper_backward, index),
+             "hopper_bwd_sorted": (_hopper_backward, sorted_index)}
+    for name, (fn, path_index) in paths.items():
+      bound = functools.partial(lambda fn, path_index, q, k, v: fn(q, k, v, path_index), fn,
+                                path_index)
+      rows[f"fwd_bwd/{name}"] = (_fwd_bwd(bound), (q, k, v, d_out), cost(q, k, "fwd_bwd"))
+      rows[f"bwd/{name}"] = (*_bwd_only(bound, (q, k, v), d_out), cost(q, k, "bwd"))
   return rows
 
 
@@ -134,7 +160,7 @@ def run(seq_len, shape, dtype, iterations, on_gpu, with_backward, ceilings):
       continue
     rows[name] = dict(ms=ms, timer=timer, **common.rates(ms, flops, nbytes, ceilings))
   for name, row in rows.items():
-    prefix = "fwd_bwd/" if name.startswith("fwd_bwd/") else ""
+    prefix = name[: name.index("/") + 1] if "/" in name else ""
     for base in BASELINES:
       base_row = rows.get(prefix + base, {})
       if "ms" in row and "tflops" in base_row:
@@ -150,7 +176,8 @@ def sweep_parser(seq_lens) -> argparse.ArgumentParser:
   parser.add_argument("--small", action="store_true", help="tiny shapes, any backend")
   parser.add_argument("--iterations", type=int, default=20)
   parser.add_argument("--seq-lens", type=int, nargs="*", default=seq_lens)
-  parser.add_argument("--backward-seq-lens", type=int, nargs="*", default=(1024, 2048))
+  parser.add_argument("--backward-seq-lens", type=int, nargs="*",
+                      default=(512, 1024, 2048, 4096, 8192))
   return parser
 
 
@@ -165,9 +192,10 @@ def main():
   args = sweep_parser(SEQ_LENS).parse_args()
   on_gpu, dtype, shape, ceilings = sweep_setup(args.small)
   payload = dict(**common.metadata(), dtype=jnp.dtype(dtype).name, shape=shape, ceilings=ceilings,
-                 flops_per_forward="4*B*H*n_seed*S*D", fwd_bwd_flops="2.5x forward",
+                 flops_per_forward="4*B*H*n_seed*S*D", fwd_bwd_flops="3.5x forward",
+                 bwd_flops="2.5x forward",
                  bytes="fewest: q, k, v read and out written once (fwd_bwd: q, d_out, dq, k, v, "
-                       "dk, dv)", sweep={})
+                       "dk, dv; bwd: q, out, d_out, dq, k, v, dk, dv)", sweep={})
   for seq_len in ([32] if args.small else args.seq_lens):
     rows = run(seq_len, shape, dtype, args.iterations, on_gpu,
                with_backward=seq_len in args.backward_seq_lens, ceilings=ceilings)

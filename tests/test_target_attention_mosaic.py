@@ -193,3 +193,14 @@ _HOPPER_BACKWARD_CASES = (
 def test_interpret_hopper_backward_within_reference_error(case):
   (result,) = sweep.run_case(case, (sweep.HOPPER_BACKWARD,), interpret=True)
   assert result.ok, result.describe()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _HOPPER_BACKWARD_CASES + (
+    sweep.AttentionCase(3, sweep.Mapping(3, 64, 0, False), 7, 2000, 2, 64, (1, 1500, 2000),
+                        "bfloat16"),
+    sweep.AttentionCase(4, sweep.Mapping(32, 2048, 0, False), 64, 1024, 2, 128, (1024,) * 32,
+                        "bfloat16")), ids=["t7", "t65", "s1", "one_key", "published"])
+def test_gpu_hopper_backward_within_reference_error(case):
+  (result,) = sweep.run_case(case, (sweep.HOPPER_BACKWARD,))
+  assert result.ok, result.describe()
