@@ -29,7 +29,7 @@ from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.models import Ranker, RankerConfig, RankingBatch
 from ikbo_jax.serving import Batcher, BatchingConfig, BucketedModel
 from ikbo_jax.serving.loadgen import run_load
-from ikbo_jax.serving.runtime import default_buckets
+from ikbo_jax.serving.buckets import default_buckets
 from ikbo_jax.training import trainer
 
 BUILDS = ("ikbo", "standard")

@@ -21,8 +21,8 @@ from flax import nnx
 
 from ikbo_jax.data import pack_requests
 from ikbo_jax.data.synthetic import ClickGenerator
-from ikbo_jax.models import PRESETS
-from ikbo_jax.serving import runtime
+from ikbo_jax.models import PRESETS, Build
+from ikbo_jax.serving import loadgen
 from ikbo_jax.serving.loadgen import format_row
 from ikbo_jax.training import TrainConfig, Trainer
 
@@ -66,11 +66,11 @@ def main(argv=None) -> dict:
         "(relative)")
 
   requests = gen.requests(args.requests, start=LOAD_START)
-  results = runtime.compare_builds(trainer.model, requests, qps=args.qps,
+  results = loadgen.compare_builds(trainer.model, requests, qps=args.qps,
                                    mean_candidates=args.mean_candidates)
   for build, stats in results.items():
     print(format_row(build, stats))
-  ratio = results["standard"]["p50_ms"] / results["ikbo"]["p50_ms"]
+  ratio = results[Build.STANDARD]["p50_ms"] / results[Build.IKBO]["p50_ms"]
   print(f"p50 latency, standard / IKBO: {ratio:.2f}x")
   report = dict(device=jax.devices()[0].device_kind, preset=args.preset,
                 auc_before=before["auc"], auc_after=after["auc"], build_difference=difference,

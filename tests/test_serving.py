@@ -16,8 +16,8 @@ from flax import nnx
 
 from ikbo_jax.data import RequestError, pack_requests
 from ikbo_jax.data.synthetic import ClickGenerator
-from ikbo_jax.models import Ranker, RankerConfig
-from ikbo_jax.serving import Batcher, BatchingConfig, Bucket, BucketedModel
+from ikbo_jax.models import Build, Ranker, RankerConfig
+from ikbo_jax.serving import Batcher, BatchingConfig, Bucket, BucketedModel, DeviceSet, Scorer
 from ikbo_jax.serving.http import create_app
 from ikbo_jax.serving.loadgen import run_load
 
@@ -190,3 +190,11 @@ def test_load_generator_reports_percentiles():
   rejected = sum(r.num_candidates > 10 for r in requests)
   assert stats["requests"] == 60 and stats["errors"] == rejected
   assert 1.0 <= stats["p50_ms"] <= stats["p90_ms"] <= stats["p99_ms"] < 1000
+
+
+def test_both_served_models_are_scorers(ranker, served):
+  assert isinstance(served, Scorer) and served.build is Build.IKBO
+  device_set = DeviceSet(ranker, BUCKETS, "standard", devices=jax.devices()[:1])
+  assert isinstance(device_set, Scorer) and device_set.build is Build.STANDARD
+  with pytest.raises(ValueError, match="build must be one of"):
+    BucketedModel(ranker, BUCKETS, "fast")

@@ -11,7 +11,7 @@ from ikbo_jax.data import Request, RequestError, files
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.models import RankerConfig
 from ikbo_jax.training import TrainConfig, Trainer
-from ikbo_jax.training.trainer import load_ranker
+from ikbo_jax.models import load_ranker
 from ikbo_jax.training import __main__ as train_command
 
 CONFIG = RankerConfig()

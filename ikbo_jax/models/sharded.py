@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ikbo_jax.models.batch import RankingBatch
 from ikbo_jax.sharding import ShardPlan, plan_shards
-from ikbo_jax.training.trainer import masked_loss_terms
+from ikbo_jax.models.scoring import masked_loss_terms
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,21 +16,18 @@ import jax
 import uvicorn
 from flax import nnx
 
-from ikbo_jax.models import PRESETS
-from ikbo_jax.serving import runtime
+from ikbo_jax.models import PRESETS, Build, Ranker, load_ranker
 from ikbo_jax.serving.batcher import BatchingConfig
-from ikbo_jax.serving.buckets import BucketedModel
+from ikbo_jax.serving.buckets import BucketedModel, default_buckets
 from ikbo_jax.serving.devices import DeviceSet
 from ikbo_jax.serving.http import create_app
-from ikbo_jax.models import Ranker
-from ikbo_jax.training.trainer import load_ranker
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
   parser.add_argument("--checkpoint-dir")
-  parser.add_argument("--build", choices=("ikbo", "standard"), default="ikbo")
+  parser.add_argument("--build", type=Build.parse, choices=list(Build), default=Build.IKBO)
   parser.add_argument("--max-batch-requests", type=int, default=16)
   parser.add_argument("--batch-timeout-ms", type=float, default=2.0)
   parser.add_argument("--max-in-flight", type=int,
@@ -48,7 +45,7 @@ def main(argv=None) -> None:
   else:
     print("no --checkpoint-dir: serving random weights")
     ranker = Ranker(config, rngs=nnx.Rngs(0))
-  buckets = runtime.default_buckets(config, max_batch_requests=args.max_batch_requests,
+  buckets = default_buckets(config, max_batch_requests=args.max_batch_requests,
                                     mean_candidates=args.mean_candidates)
   if not 1 <= args.devices <= len(jax.local_devices()):
     parser.error(f"--devices must be in [1, {len(jax.local_devices())}], got {args.devices}")

@@ -24,7 +24,7 @@ import dataclasses
 import numpy as np
 
 from ikbo_jax.data import Request, RequestError
-from ikbo_jax.serving.buckets import BucketedModel
+from ikbo_jax.serving.scorer import Scorer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +81,7 @@ class Batcher:
   True
   """
 
-  def __init__(self, model: BucketedModel, config: BatchingConfig = BatchingConfig()):
+  def __init__(self, model: Scorer, config: BatchingConfig = BatchingConfig()):
     if config.max_batch_requests is None:
       config = dataclasses.replace(config, max_batch_requests=model.largest.num_users)
     if config.max_batch_requests > model.largest.num_users:

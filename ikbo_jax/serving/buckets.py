@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from ikbo_jax.data import Request, pack_requests
-from ikbo_jax.models import Ranker, RankingBatch
+from ikbo_jax.models import Build, Ranker, RankerConfig, RankingBatch, scores
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -36,6 +35,21 @@ class Bucket:
             and max(len(r.history) for r in requests) <= self.history_slots)
 
 
+def default_buckets(config: RankerConfig, *, max_batch_requests: int = 16,
+                    mean_candidates: float = 8.0, count: int = 4) -> list[Bucket]:
+  """`count` (1-4) buckets for full batches, then half, quarter and double (multiples of 32).
+
+  A full batch is `max_batch_requests` requests of `mean_candidates` each.
+  """
+  if not 1 <= count <= 4:
+    raise ValueError(f"count must lie in [1, 4], got {count}")
+  full = max_batch_requests * mean_candidates
+  shapes = ((1, max_batch_requests), (0.5, max(max_batch_requests // 2, 1)),
+            (0.25, max(max_batch_requests // 4, 1)), (2, max_batch_requests))[:count]
+  return sorted({Bucket(int(np.ceil(full * fraction / 32) * 32), users, config.max_history)
+                 for fraction, users in shapes})
+
+
 class BucketedModel:
   """Click probabilities for packed requests, one compiled executable per bucket.
 
@@ -43,15 +57,14 @@ class BucketedModel:
     model: the trained `Ranker` (its parameters are captured at construction).
     buckets: the shapes to compile; the largest bounds what one batch can hold.
       Every bucket's `history_slots` must be at most the model's `max_history`.
-    build: `"ikbo"` (the mapping passed to the IKBO layers) or `"standard"`.
+    build: which forward pass serves (`Build`, or its name).
     device: where the parameters live and the executables run (default: jax's default
       device); `ikbo_jax.serving.DeviceSet` keeps one `BucketedModel` per device.
   """
 
-  def __init__(self, model: Ranker, buckets: Sequence[Bucket],
-               build: Literal["ikbo", "standard"] = "ikbo", *, device: jax.Device | None = None):
-    if build not in ("ikbo", "standard"):
-      raise ValueError(f"build must be 'ikbo' or 'standard', got {build!r}")
+  def __init__(self, model: Ranker, buckets: Sequence[Bucket], build: Build = Build.IKBO, *,
+               device: jax.Device | None = None):
+    build = Build.parse(build)
     if not buckets:
       raise ValueError("buckets is empty: give at least one Bucket")
     config = model.config
@@ -67,7 +80,7 @@ class BucketedModel:
 
     def probabilities(state, batch: RankingBatch) -> jax.Array:
       model = nnx.merge(graphdef, state)
-      return jax.nn.sigmoid(model(batch) if build == "ikbo" else model.standard(batch))
+      return jax.nn.sigmoid(scores(model, batch, build))
 
     self.device = device or jax.devices()[0]
     self._placement = jax.sharding.SingleDeviceSharding(self.device)

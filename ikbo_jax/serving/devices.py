@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Literal
 
 import jax
 import numpy as np
 
 from ikbo_jax.data import Request
-from ikbo_jax.models import Ranker
+from ikbo_jax.models import Build, Ranker
 from ikbo_jax.serving.buckets import Bucket, BucketedModel
 
 
@@ -27,18 +26,17 @@ class DeviceSet:
   Args:
     model: the trained `Ranker`.
     buckets: the shapes every replica compiles.
-    build: `"ikbo"` or `"standard"`.
+    build: which forward pass serves (`Build`, or its name).
     devices: where to serve (default: every local device).
   """
 
-  def __init__(self, model: Ranker, buckets: Sequence[Bucket],
-               build: Literal["ikbo", "standard"] = "ikbo", *,
+  def __init__(self, model: Ranker, buckets: Sequence[Bucket], build: Build = Build.IKBO, *,
                devices: Sequence[jax.Device] | None = None):
     devices = list(jax.local_devices() if devices is None else devices)
     if not devices:
       raise ValueError("devices is empty: give at least one device")
     self.replicas = [BucketedModel(model, buckets, build, device=d) for d in devices]
-    self.config, self.buckets, self.build = model.config, self.replicas[0].buckets, build
+    self.config, self.buckets, self.build = model.config, self.replicas[0].buckets, Build.parse(build)
     self.batches_per_device = [0] * len(devices)
     self._in_flight = [0] * len(devices)
     self._lock = threading.Lock()

@@ -21,12 +21,12 @@ from starlette.routing import Route
 
 from ikbo_jax.data import Request, RequestError
 from ikbo_jax.serving.batcher import Batcher, BatchingConfig
-from ikbo_jax.serving.buckets import BucketedModel
+from ikbo_jax.serving.scorer import Scorer
 
 _FIELDS = ("user_dense", "history", "cand_items", "cand_dense")
 
 
-def create_app(model: BucketedModel, batching: BatchingConfig = BatchingConfig()) -> Starlette:
+def create_app(model: Scorer, batching: BatchingConfig = BatchingConfig()) -> Starlette:
   """An ASGI app serving `model` (run it with uvicorn, or `python -m ikbo_jax.serving`)."""
 
   @contextlib.asynccontextmanager

@@ -18,9 +18,15 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+import httpx
 import numpy as np
+from flax import nnx
 
 from ikbo_jax.data import Request, RequestError
+from ikbo_jax.data.synthetic import ClickGenerator
+from ikbo_jax.models import PRESETS, Build, Ranker
+from ikbo_jax.serving.batcher import Batcher, BatchingConfig
+from ikbo_jax.serving.buckets import Bucket, BucketedModel, default_buckets
 
 
 async def run_load(score: Callable[[Request], Awaitable], requests: Sequence[Request], *,
@@ -65,9 +71,33 @@ def format_row(name: str, stats: dict) -> str:
           f"p90 {stats['p90_ms']:.1f} ms, p99 {stats['p99_ms']:.1f} ms, {stats['errors']} errors")
 
 
-async def _over_http(url: str, requests, args) -> dict:
-  import httpx
+async def _serve_load(model: BucketedModel, requests, batching, qps, max_seconds) -> dict:
+  async with Batcher(model, batching) as batcher:
+    await asyncio.gather(*(batcher.score(r) for r in requests[:8]))  # first calls, off the clock
+    stats = await run_load(batcher.score, requests, qps=qps, max_seconds=max_seconds)
+    stats["batches"] = batcher.batches_run
+  return stats
 
+
+def compare_builds(model: Ranker, requests: Sequence[Request], *, qps: float,
+                   mean_candidates: float = 8.0, max_seconds: float = 60.0,
+                   batching: BatchingConfig = BatchingConfig(),
+                   buckets: Sequence[Bucket] | None = None) -> dict:
+  """The same request stream through each build of `model` in turn, in process."""
+  buckets = buckets or default_buckets(model.config, mean_candidates=mean_candidates)
+  results = {}
+  for build in Build:
+    start = time.perf_counter()
+    served = BucketedModel(model, buckets, build)
+    compile_s = time.perf_counter() - start
+    results[build] = asyncio.run(_serve_load(served, list(requests), batching, qps, max_seconds))
+    results[build].update(compile_seconds=compile_s,
+                          buckets=[(b.num_candidates, b.num_users, b.history_slots)
+                                   for b in served.buckets])
+  return results
+
+
+async def _over_http(url: str, requests, args) -> dict:
   async with httpx.AsyncClient(base_url=url, timeout=30.0) as client:
     async def score(request: Request):
       body = {f: np.asarray(getattr(request, f)).tolist()
@@ -81,10 +111,6 @@ async def _over_http(url: str, requests, args) -> dict:
 
 
 def main(argv=None) -> dict:
-  from ikbo_jax.data.synthetic import ClickGenerator
-  from ikbo_jax.models import PRESETS
-  from ikbo_jax.serving import runtime
-
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
   parser.add_argument("--qps", type=float, default=100.0)
@@ -101,12 +127,9 @@ def main(argv=None) -> dict:
   if args.url:
     results = {"http": asyncio.run(_over_http(args.url, requests, args))}
   else:
-    from flax import nnx
-    from ikbo_jax.models import Ranker
     model = Ranker(config, rngs=nnx.Rngs(0))
-    results = runtime.compare_builds(model, requests, qps=args.qps,
-                                     mean_candidates=args.mean_candidates,
-                                     max_seconds=args.max_seconds)
+    results = compare_builds(model, requests, qps=args.qps, mean_candidates=args.mean_candidates,
+                             max_seconds=args.max_seconds)
   for name, stats in results.items():
     print(format_row(name, stats))
   if args.out:

@@ -16,7 +16,7 @@ import jax
 
 from ikbo_jax.data import files
 from ikbo_jax.data.synthetic import ClickGenerator
-from ikbo_jax.models import PRESETS
+from ikbo_jax.models import PRESETS, Build
 from ikbo_jax.training import TrainConfig, Trainer
 
 EVAL_START = 10**9  # synthetic held-out requests: indices no training run reaches
@@ -29,7 +29,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--users", type=int, default=16, help="requests (user slots) per step")
   parser.add_argument("--candidates", type=int, default=256, help="candidate slots per step")
   parser.add_argument("--learning-rate", type=float, default=3e-3)
-  parser.add_argument("--build", choices=("ikbo", "standard"), default="ikbo")
+  parser.add_argument("--build", type=Build.parse, choices=list(Build), default=Build.IKBO)
   parser.add_argument("--train-file", help="Parquet requests (ikbo_jax.data.files schema)")
   parser.add_argument("--eval-file", help="held-out Parquet requests")
   parser.add_argument("--eval-requests", type=int, default=300)

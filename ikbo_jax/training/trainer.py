@@ -15,7 +15,6 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +25,9 @@ from flax import nnx
 from sklearn.metrics import roc_auc_score
 
 from ikbo_jax.data import Request, RequestError, pack_requests
-from ikbo_jax.models import Ranker, RankerConfig, RankingBatch
+from ikbo_jax.models import Build, Ranker, RankerConfig, RankingBatch, masked_loss, scores
+from ikbo_jax.models import checkpoint
 
-Build = Literal["ikbo", "standard"]
 Source = Callable[[int], Request]
 
 
@@ -40,7 +39,7 @@ class TrainConfig:
     learning_rate: peak learning rate (AdamW, cosine decay over `steps`).
     steps: the schedule's length.
     weight_decay: AdamW's decay.
-    build: which forward pass trains: `"ikbo"` or `"standard"` (same parameters).
+    build: which forward pass trains (`Build`, or its name); same parameters either way.
   """
 
   num_users: int = 16
@@ -48,31 +47,13 @@ class TrainConfig:
   learning_rate: float = 3e-3
   steps: int = 300
   weight_decay: float = 1e-4
-  build: Build = "ikbo"
+  build: Build = Build.IKBO
 
   def __post_init__(self):
-    if self.build not in ("ikbo", "standard"):
-      raise ValueError(f"build must be 'ikbo' or 'standard', got {self.build!r}")
+    object.__setattr__(self, "build", Build.parse(self.build))
     for name in ("num_users", "num_candidates", "steps"):
       if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
         raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
-
-
-def scores(model: Ranker, batch: RankingBatch, build: Build) -> jax.Array:
-  return model(batch) if build == "ikbo" else model.standard(batch)
-
-
-def masked_loss(logits: jax.Array, batch: RankingBatch) -> jax.Array:
-  """Mean binary cross-entropy over the real candidates of `batch`."""
-  total, count = masked_loss_terms(logits, batch)
-  return total / jnp.maximum(count, 1)
-
-
-def masked_loss_terms(logits: jax.Array, batch: RankingBatch) -> tuple[jax.Array, jax.Array]:
-  """The summed binary cross-entropy over the real candidates of `batch`, and their count."""
-  mask = batch.candidate_mask()
-  losses = optax.sigmoid_binary_cross_entropy(logits, batch.labels)
-  return jnp.sum(jnp.where(mask, losses, 0)), jnp.sum(mask)
 
 
 @nnx.jit(static_argnames="build")
@@ -193,40 +174,31 @@ class Trainer:
                 candidates=int(labels.size), click_rate=float(labels.mean()))
 
   def save(self, directory: str | os.PathLike) -> None:
-    """Checkpoints the model, the optimizer and the cursor at this step (orbax)."""
-    with self._manager(directory) as manager:
+    """Checkpoints the model's parameters, the optimizer and the cursor at this step (orbax)."""
+    with checkpoint.manager(directory) as manager:
       manager.save(self.step_count, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state((self.model, self.optimizer)))),
+          **{checkpoint.PARAMS: checkpoint.save_args(self.model)},
+          optimizer=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(self.optimizer))),
           meta=ocp.args.JsonSave(dict(cursor=self.cursor, step=self.step_count,
-                                      build=self.train_config.build))))
+                                      build=str(self.train_config.build)))))
       manager.wait_until_finished()
 
   def restore(self, directory: str | os.PathLike, step: int | None = None) -> int:
     """Restores the latest (or `step`'s) checkpoint; returns its step."""
-    with self._manager(directory) as manager:
+    with checkpoint.manager(directory) as manager:
       step = manager.latest_step() if step is None else step
       if step is None:
         raise FileNotFoundError(f"no checkpoint under {directory}")
-      state = nnx.state((self.model, self.optimizer))
-      abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(state))
+      optimizer_state = nnx.state(self.optimizer)
+      abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(optimizer_state))
       restored = manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-    nnx.replace_by_pure_dict(state, restored["state"])
-    nnx.update((self.model, self.optimizer), state)
+          **{checkpoint.PARAMS: checkpoint.restore_args(self.model)},
+          optimizer=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    checkpoint.update(self.model, restored[checkpoint.PARAMS])
+    nnx.replace_by_pure_dict(optimizer_state, restored["optimizer"])
+    nnx.update(self.optimizer, optimizer_state)
     self.cursor, self.step_count = restored["meta"]["cursor"], restored["meta"]["step"]
     return step
-
-  @staticmethod
-  def _manager(directory) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager(os.path.abspath(directory),
-                                 options=ocp.CheckpointManagerOptions(max_to_keep=3))
-
-
-def load_ranker(model_config: RankerConfig, directory: str | os.PathLike) -> Ranker:
-  """The model of the latest checkpoint a `Trainer` wrote under `directory` (for serving)."""
-  trainer = Trainer(model_config, TrainConfig(), source=lambda i: None)
-  trainer.restore(directory)
-  return trainer.model
 
 
 def _fitting_prefix(requests: list[Request], num_candidates: int) -> int:

@@ -14,7 +14,7 @@ from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.models import Ranker, RankerConfig
 from ikbo_jax.models.sharded import place, shard_batch, sharded_loss, sharded_scores
 from ikbo_jax.sharding import plan_shards
-from ikbo_jax.training.trainer import masked_loss
+from ikbo_jax.models import masked_loss
 
 CONFIG = RankerConfig(num_items=300, max_history=16)
 
