@@ -5,7 +5,7 @@ once per user, at batch U, and the interaction layers (`ikbo_jax.nn`) read it
 by index. `Ranker.standard` is the way ranking models are usually written:
 the user inputs are copied to the candidate batch with `x[cand_to_user]`
 first and every layer runs at batch B, on plain Flax layers and
-`jax.nn.dot_product_attention` (through `ikbo_jax.rewrite.attention`, the hook
+`jax.nn.dot_product_attention` (through `ikbo_jax.ops.marked_attention`, the hook
 by which `ikbo_jax.rewrite` can turn this build into the IKBO one). Both read the same parameters, so they give
 the same scores and the same gradients; only the cost differs.
 
@@ -26,7 +26,7 @@ from flax import nnx
 from ikbo_jax.models.batch import RankingBatch
 from ikbo_jax.models.config import RankerConfig
 from ikbo_jax.nn import LinearCompression, UserSequenceBlock
-from ikbo_jax.rewrite.marker import attention as marked_attention
+from ikbo_jax.ops.marked_attention import attention as marked_attention
 
 
 class Ranker(nnx.Module):

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ikbo_jax.rewrite.interpreter import Rewriter
-from ikbo_jax.rewrite.marker import attention, flax_attention_fn
+from ikbo_jax.ops.marked_attention import attention, flax_attention_fn
 from ikbo_jax.rewrite.report import Change, Report
 from ikbo_jax.rewrite.selectors import as_selectors, describe, leaf_paths, select
 from ikbo_jax.rewrite.values import Plain, materialize

@@ -14,8 +14,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import primitives as P
 
 from ikbo_jax import _dispatch
+from ikbo_jax.index import CandidateIndex
+from ikbo_jax.ops.linear_compression import linear_compression
 from ikbo_jax.rewrite.report import FORWARD_MODE, Decline
 from ikbo_jax.rewrite.rules import parts_sizes
 from ikbo_jax.rewrite.values import Broadcast, Concat, Plain, materialize
@@ -65,8 +68,6 @@ def split_dense(rw, eqn, lhs, rhs):
   this is linear compression and runs as the IKBO op; otherwise the weight is
   split by the concatenation and the user product is added by index.
   """
-  from ikbo_jax.index import CandidateIndex
-  from ikbo_jax.ops.linear_compression import linear_compression
 
   stack, weight, stack_is_lhs = (lhs, rhs, True) if isinstance(lhs, Concat) else (rhs, lhs, False)
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -171,4 +172,4 @@ def _concat(xs, axis):
   return xs[0] if len(xs) == 1 else jax.lax.concatenate(xs, axis)
 
 
-RULES = {"dot_general": dot_general}
+RULES = {P.dot_general_p: dot_general}

@@ -21,6 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import primitives as P
 from jax._src.lax.slicing import GatherScatterMode
 
 from ikbo_jax.rewrite.report import Decline
@@ -84,8 +85,8 @@ def static_scalar(v) -> float | None:
   return np.asarray(v.value).item()
 
 
-_PRESERVING = frozenset("broadcast_in_dim reshape squeeze expand_dims copy slice dynamic_slice "
-                        "transpose rev concatenate".split())
+_PRESERVING = frozenset({P.broadcast_in_dim_p, P.reshape_p, P.squeeze_p, P.copy_p, P.slice_p,
+                        P.dynamic_slice_p, P.transpose_p, P.rev_p, P.concatenate_p})
 
 
 def bounds(eqn, operands) -> tuple[float, float] | None:
@@ -109,33 +110,33 @@ def _range(v) -> tuple[float, float]:
 
 
 def _bounds(eqn, operands):
-  name, range_of = eqn.primitive.name, _range
-  if name == "iota":
+  p, range_of = eqn.primitive, _range
+  if p is P.iota_p:
     return (0, eqn.params["shape"][eqn.params["dimension"]] - 1)
-  if name in _PRESERVING:
-    ranges = [range_of(v) for v in operands[:1 if name != "concatenate" else None]]
+  if p in _PRESERVING:
+    ranges = [range_of(v) for v in operands[:1 if p is not P.concatenate_p else None]]
     return (min(r[0] for r in ranges), max(r[1] for r in ranges))
-  if name == "convert_element_type" and _widening(eqn.invars[0].aval.dtype,
+  if p is P.convert_element_type_p and _widening(eqn.invars[0].aval.dtype,
                                                   eqn.outvars[0].aval.dtype):
     return range_of(operands[0])
-  if name == "clamp":
+  if p is P.clamp_p:
     (lo, _), (x_lo, x_hi), (_, hi) = (range_of(v) for v in operands)
     return (max(lo, min(x_lo, hi)), min(hi, max(x_hi, lo)))
-  if name in ("max", "min") and len(operands) == 2:
+  if p in (P.max_p, P.min_p) and len(operands) == 2:
     (a_lo, a_hi), (b_lo, b_hi) = (range_of(v) for v in operands)
-    return (max(a_lo, b_lo), max(a_hi, b_hi)) if name == "max" else (min(a_lo, b_lo),
-                                                                     min(a_hi, b_hi))
-  if name in ("add", "sub"):  # these may wrap around: known only if every end is
+    return (max(a_lo, b_lo), max(a_hi, b_hi)) if p is P.max_p else (min(a_lo, b_lo),
+                                                                    min(a_hi, b_hi))
+  if p in (P.add_p, P.sub_p):  # these may wrap around: known only if every end is
     (a_lo, a_hi), (b_lo, b_hi) = (range_of(v) for v in operands)
-    lo, hi = (a_lo + b_lo, a_hi + b_hi) if name == "add" else (a_lo - b_hi, a_hi - b_lo)
+    lo, hi = (a_lo + b_lo, a_hi + b_hi) if p is P.add_p else (a_lo - b_hi, a_hi - b_lo)
     dtype = eqn.outvars[0].aval.dtype
     inside = jnp.iinfo(dtype).min <= lo and hi <= jnp.iinfo(dtype).max
     return (lo, hi) if inside else None
-  if name in ("lt", "ge"):  # decided when one side's range is entirely on one side of the other
+  if p in (P.lt_p, P.ge_p):  # decided when one side's range is entirely on one side of the other
     (a_lo, a_hi), (b_lo, b_hi) = (range_of(v) for v in operands)
-    true, false = (a_hi < b_lo, a_lo >= b_hi) if name == "lt" else (a_lo >= b_hi, a_hi < b_lo)
+    true, false = (a_hi < b_lo, a_lo >= b_hi) if p is P.lt_p else (a_lo >= b_hi, a_hi < b_lo)
     return (1, 1) if true else (0, 0) if false else (0, 1)
-  if name == "select_n":
+  if p is P.select_n_p:
     pred, *cases = operands
     p_lo, p_hi = range_of(pred)
     chosen = [range_of(c) for i, c in enumerate(cases) if p_lo <= i <= p_hi]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import primitives as P
 
 from ikbo_jax.rewrite import closure
 from ikbo_jax.rewrite.report import Decline, Report
@@ -176,6 +177,5 @@ def cond(rw, eqn, operands):
   return chosen["s"].rebuild(arrays, results)
 
 
-RULES = {"custom_jvp_call": custom_jvp_call, "custom_vjp_call": custom_vjp_call,
-         "custom_vjp_call_jaxpr": custom_vjp_call, "remat2": checkpoint,
-         "cond": cond}
+RULES = {P.custom_jvp_call_p: custom_jvp_call, P.custom_vjp_call_p: custom_vjp_call,
+         P.remat_p: checkpoint, P.cond_p: cond}

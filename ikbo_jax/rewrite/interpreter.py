@@ -25,16 +25,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jex_core
+from jax.extend.core import primitives as P
 
 from ikbo_jax.rewrite import dense, gathers, higher_order, marker, rules
 from ikbo_jax.rewrite.report import Decline, Report
 from ikbo_jax.rewrite.values import LAZY, Broadcast, Concat, Plain, lineage, materialize
 
 
-_MAKERS = frozenset({"broadcast_in_dim", "iota", "gather"})
-_RULES = {**rules.RULES, **dense.RULES, "gather": gathers.gather}
+# Keyed by primitive objects (see `rules.py`).
+_MAKERS = frozenset({P.broadcast_in_dim_p, P.iota_p, P.gather_p})
+_RULES = {**rules.RULES, **dense.RULES, P.gather_p: gathers.gather}
 _HIGHER_ORDER = {**higher_order.RULES}
-_NOT_SHARED = frozenset({"rng_uniform", "rng_bit_generator", "random_seed", "random_bits"})
+_NOT_SHARED = frozenset({P.rng_uniform_p, P.rng_bit_generator_p, P.random_seed_p,
+                         P.random_bits_p})
 
 
 class Rewriter:
@@ -59,9 +62,9 @@ class Rewriter:
     return [read(v) for v in jaxpr.outvars]
 
   def eval_eqn(self, eqn, operands):
-    name = eqn.primitive.name
+    primitive, name = eqn.primitive, eqn.primitive.name
     lazy = any(isinstance(v, LAZY) for v in operands)
-    if name in ("jit", "pjit") and not marker.is_marker(eqn):
+    if primitive is P.jit_p and not marker.is_marker(eqn):
       closed = eqn.params["jaxpr"]
       self.report.context.append(source_info_util.summarize(eqn.source_info))
       try:
@@ -69,7 +72,7 @@ class Rewriter:
       finally:
         self.report.context.pop()
     reason = None
-    if lazy or name in _MAKERS:
+    if lazy or primitive in _MAKERS:
       try:
         outs = self._apply_rule(eqn, operands)
       except Decline as declined:
@@ -84,10 +87,9 @@ class Rewriter:
     return self.default(eqn, operands, reason or f"no rule moves {name} on these operands")
 
   def _apply_rule(self, eqn, operands):
-    name = eqn.primitive.name
     if marker.is_marker(eqn):
       return marker.rule(self, eqn, operands)
-    rule = _HIGHER_ORDER.get(name) or _RULES.get(name)
+    rule = _HIGHER_ORDER.get(eqn.primitive) or _RULES.get(eqn.primitive)
     return rule(self, eqn, operands) if rule else None
 
   def default(self, eqn, operands, reason: str = ""):
@@ -117,7 +119,7 @@ class Rewriter:
 
   def _shared_key(self, eqn, operands):
     """A key under which equal integer equations share one result, or None."""
-    if (eqn.effects or eqn.primitive.name in _NOT_SHARED or not eqn.outvars or any(
+    if (eqn.effects or eqn.primitive in _NOT_SHARED or not eqn.outvars or any(
         not (jnp.issubdtype(v.aval.dtype, jnp.integer) or v.aval.dtype == jnp.bool_)
         for v in eqn.outvars)):
       return None
@@ -130,7 +132,7 @@ class Rewriter:
       else:
         keys.append(id(v.value))
     try:
-      key = ("eqn", eqn.primitive.name, tuple(sorted(eqn.params.items())), tuple(keys))
+      key = ("eqn", eqn.primitive, tuple(sorted(eqn.params.items())), tuple(keys))
       hash(key)
     except TypeError:
       return None
@@ -139,7 +141,7 @@ class Rewriter:
   def moved(self, eqn, out, like: Broadcast) -> None:
     """Records that `eqn` ran at batch U (with the FLOPs it saved, for products)."""
     flops = 0
-    if eqn.primitive.name == "dot_general":
+    if eqn.primitive is P.dot_general_p:
       (lc, _), _ = eqn.params["dimension_numbers"]
       contracted = math.prod(eqn.invars[0].aval.shape[d] for d in lc)
       flops = 2 * contracted * (math.prod(eqn.outvars[0].aval.shape) - math.prod(out.shape))

@@ -13,20 +13,27 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.lax.lax import stack_p  # not among jax.extend's primitives
+from jax.extend.core import primitives as P
 
 from ikbo_jax.rewrite.report import Decline
 from ikbo_jax.rewrite.values import (Broadcast, Concat, Plain, RowConstant, at_b, at_u,
                                      materialize, part_shape)
 
-ELEMENTWISE = frozenset("""
-abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type cos cosh
-div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite le lgamma log log1p
-logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem round rsqrt select_n
-sign sin sinh sqrt square sub tan tanh xor copy copy_p
-""".split())
-REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax "
-                       "argmin".split())
-CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
+# Rules are keyed by primitive objects, as in `jax.experimental.sparse`: a primitive
+# renamed or removed by a JAX release fails here, at import, not silently.
+ELEMENTWISE = (
+    P.abs_p, P.acos_p, P.acosh_p, P.add_p, P.and_p, P.asin_p, P.asinh_p, P.atan_p, P.atan2_p,
+    P.atanh_p, P.cbrt_p, P.ceil_p, P.clamp_p, P.convert_element_type_p, P.cos_p, P.cosh_p,
+    P.div_p, P.eq_p, P.erf_p, P.erf_inv_p, P.erfc_p, P.exp_p, P.exp2_p, P.expm1_p, P.floor_p,
+    P.ge_p, P.gt_p, P.imag_p, P.integer_pow_p, P.is_finite_p, P.le_p, P.lgamma_p, P.log_p,
+    P.log1p_p, P.logistic_p, P.lt_p, P.max_p, P.min_p, P.mul_p, P.ne_p, P.neg_p, P.nextafter_p,
+    P.not_p, P.or_p, P.pow_p, P.real_p, P.reduce_precision_p, P.rem_p, P.round_p, P.rsqrt_p,
+    P.select_n_p, P.sign_p, P.sin_p, P.sinh_p, P.sqrt_p, P.square_p, P.sub_p, P.tan_p,
+    P.tanh_p, P.xor_p, P.copy_p)
+REDUCTIONS = (P.reduce_sum_p, P.reduce_max_p, P.reduce_min_p, P.reduce_prod_p, P.reduce_and_p,
+              P.reduce_or_p, P.argmax_p, P.argmin_p)
+CUMULATIVE = (P.cumsum_p, P.cumprod_p, P.cummax_p, P.cummin_p, P.cumlogsumexp_p)
 
 
 def scalar(v) -> bool:
@@ -198,12 +205,12 @@ def _transposed(rw, eqn, v, perm):
 
 def _keeps_rows(v: Broadcast, eqn) -> bool:
   """Whether a slice, pad or reversal leaves the candidate axis whole and in order."""
-  name, axis = eqn.primitive.name, v.axis
-  if name == "slice":
+  primitive, axis = eqn.primitive, v.axis
+  if primitive is P.slice_p:
     strides = eqn.params["strides"] or (1,) * len(v.shape)
     return (eqn.params["start_indices"][axis] == 0 and strides[axis] == 1
             and eqn.params["limit_indices"][axis] == v.shape[axis])
-  if name == "pad":
+  if primitive is P.pad_p:
     return tuple(eqn.params["padding_config"][axis]) == (0, 0, 0)
   return axis not in eqn.params["dimensions"]  # rev
 
@@ -216,7 +223,7 @@ def along_features(rw, eqn, operands):
   if not _keeps_rows(v, eqn):
     raise Decline("it slices, pads or reverses the candidate axis")
   params = dict(eqn.params)
-  if eqn.primitive.name == "slice":
+  if eqn.primitive is P.slice_p:
     params["limit_indices"] = tuple(v.num_users if d == v.axis else n
                                     for d, n in enumerate(params["limit_indices"]))
   out = eqn.primitive.bind(v.user, *(r.value for r in rest), **params)
@@ -294,9 +301,10 @@ def parts_sizes(stack: Concat) -> list[int]:
   return [part_shape(p)[stack.dimension] for p in stack.parts]
 
 
-RULES = {name: elementwise for name in ELEMENTWISE}
-RULES.update({name: reduction for name in REDUCTIONS})
-RULES.update({name: cumulative for name in CUMULATIVE})
-RULES.update(broadcast_in_dim=broadcast_in_dim, reshape=reshape, iota=iota, squeeze=squeeze,
-             transpose=transpose, concatenate=concatenate, slice=along_features,
-             pad=along_features, rev=along_features, stack=stack)
+RULES = {p: elementwise for p in ELEMENTWISE}
+RULES.update({p: reduction for p in REDUCTIONS})
+RULES.update({p: cumulative for p in CUMULATIVE})
+RULES.update({P.broadcast_in_dim_p: broadcast_in_dim, P.reshape_p: reshape, P.iota_p: iota,
+              P.squeeze_p: squeeze, P.transpose_p: transpose, P.concatenate_p: concatenate,
+              P.slice_p: along_features, P.pad_p: along_features, P.rev_p: along_features,
+              stack_p: stack})
