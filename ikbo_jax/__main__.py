@@ -12,13 +12,13 @@ percentiles and throughput side by side.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import jax
 import numpy as np
 from flax import nnx
 
+from ikbo_jax import __version__, _cli
 from ikbo_jax.data import pack_requests
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.models import PRESETS, Build
@@ -31,11 +31,13 @@ EVAL_START, LOAD_START = 10**9, 2 * 10**9  # disjoint from the training requests
 
 def main(argv=None) -> dict:
   on_gpu = jax.default_backend() == "gpu"
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
-  parser.add_argument("--steps", type=int, default=150)
-  parser.add_argument("--qps", type=float, default=100.0)
-  parser.add_argument("--requests", type=int, default=300)
+  parser = _cli.parser("ikbo_jax", __doc__, __version__)
+  parser.add_argument("--preset", choices=sorted(PRESETS), default="small",
+                      help="model sizes (ikbo_jax.models.PRESETS)")
+  parser.add_argument("--steps", type=int, default=150, help="training steps")
+  parser.add_argument("--qps", type=float, default=100.0,
+                      help="request rate of the serving comparison")
+  parser.add_argument("--requests", type=int, default=300, help="requests sent to each build")
   parser.add_argument("--mean-candidates", type=float, default=70.0 if on_gpu else 8.0,
                       help="candidates per request (the user:candidate ratio)")
   parser.add_argument("--users", type=int, default=16, help="requests per training step")

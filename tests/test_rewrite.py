@@ -252,3 +252,14 @@ def test_nnx_multi_head_attention_through_the_attention_fn_hook():
     np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-4)
   report = rewrite.explain(fn, *args, mapping=1, users=(0,), candidates=(2,))
   assert report.count("target_attention") == 1 and not report.count("materialized"), str(report)
+
+
+def test_explain_lists_every_op_moved_to_the_users_with_its_line():
+  def model(user, ids, cand):
+    return jnp.tanh(user[ids] * 2.0) @ cand
+
+  text = str(rewrite.explain(model, jnp.ones((3, 4)), jnp.array([0, 1, 2, 1]), jnp.ones((4, 5)),
+                             mapping=1, users=0))
+  moved = [line for line in text.splitlines() if line.strip().startswith("at_users")]
+  assert {line.split()[1] for line in moved} == {"mul", "tanh", "dot_general"}, text
+  assert all("test_rewrite.py" in line for line in moved), text

@@ -72,9 +72,17 @@ class Report:
     lines = [f"IKBO rewrite: {', '.join(f'{self.count(k)} {k}' for k in kinds) or 'no changes'}; "
              f"{self.bytes_saved / 1e6:.2f} MB of copies and {self.flops_saved / 1e6:.2f} "
              "MFLOP avoided"]
+    moved: dict[tuple[str, str], list[Change]] = {}
     for c in self.changes:
-      if c.kind != "at_users":  # one line per op moved would drown the rest
-        saved = f" ({c.bytes_saved / 1e6:.2f} MB)" if c.bytes_saved else ""
-        why = f": {c.reason}" if c.reason else ""
-        lines.append(f"  {c.kind:18s} {c.primitive:14s} {c.where}{saved}{why}")
+      if c.kind == "at_users":  # grouped by source line, so elementwise chains take one line each
+        moved.setdefault((c.where, c.primitive), []).append(c)
+        continue
+      saved = f" ({c.bytes_saved / 1e6:.2f} MB)" if c.bytes_saved else ""
+      why = f": {c.reason}" if c.reason else ""
+      lines.append(f"  {c.kind:18s} {c.primitive:14s} {c.where}{saved}{why}")
+    for (where, primitive), group in moved.items():
+      times = f" x{len(group)}" if len(group) > 1 else ""
+      flops = sum(c.flops_saved for c in group)
+      saved = f" ({flops / 1e6:.2f} MFLOP)" if flops else ""
+      lines.append(f"  {'at_users':18s} {primitive + times:14s} {where}{saved}")
     return "\n".join(lines)

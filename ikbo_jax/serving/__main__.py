@@ -10,12 +10,12 @@
 
 from __future__ import annotations
 
-import argparse
 
 import jax
 import uvicorn
 from flax import nnx
 
+from ikbo_jax import __version__, _cli
 from ikbo_jax.models import PRESETS, Build, Ranker, load_ranker
 from ikbo_jax.serving.batcher import BatchingConfig
 from ikbo_jax.serving.buckets import BucketedModel, default_buckets
@@ -24,20 +24,26 @@ from ikbo_jax.serving.http import create_app
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
-  parser.add_argument("--checkpoint-dir")
-  parser.add_argument("--build", type=Build.parse, choices=list(Build), default=Build.IKBO)
-  parser.add_argument("--max-batch-requests", type=int, default=16)
-  parser.add_argument("--batch-timeout-ms", type=float, default=2.0)
+  parser = _cli.parser("ikbo_jax.serving", __doc__, __version__)
+  parser.add_argument("--preset", choices=sorted(PRESETS), default="small",
+                      help="model sizes (must match the checkpoint)")
+  parser.add_argument("--checkpoint-dir",
+                      help="a directory written by python -m ikbo_jax.training (none: "
+                           "random weights)")
+  parser.add_argument("--build", type=Build.parse, choices=list(Build), default=Build.IKBO,
+                      help="which forward pass serves")
+  parser.add_argument("--max-batch-requests", type=int, default=16,
+                      help="requests per batch at most")
+  parser.add_argument("--batch-timeout-ms", type=float, default=2.0,
+                      help="how long a batch waits to fill")
   parser.add_argument("--max-in-flight", type=int,
                       help="batches with the model at once (default: 2 per device)")
   parser.add_argument("--devices", type=int, default=1,
                       help="serve on this many local devices, one model replica on each")
   parser.add_argument("--mean-candidates", type=float, default=8.0,
                       help="sizes the default buckets")
-  parser.add_argument("--host", default="127.0.0.1")
-  parser.add_argument("--port", type=int, default=8000)
+  parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+  parser.add_argument("--port", type=int, default=8000, help="port to listen on")
   args = parser.parse_args(argv)
   config = PRESETS[args.preset]()
   if args.checkpoint_dir:
@@ -49,9 +55,13 @@ def main(argv=None) -> None:
                                     mean_candidates=args.mean_candidates)
   if not 1 <= args.devices <= len(jax.local_devices()):
     parser.error(f"--devices must be in [1, {len(jax.local_devices())}], got {args.devices}")
-  model = (BucketedModel(ranker, buckets, args.build) if args.devices == 1 else
-           DeviceSet(ranker, buckets, args.build, devices=jax.local_devices()[:args.devices]))
-  print(f"compiled {len(buckets)} buckets: {buckets}")
+  print(f"compiling {len(buckets)} buckets of the {args.build} build on {args.devices} "
+        "device(s)...", flush=True)
+  progress = lambda bucket, seconds: print(f"  compiled {bucket} in {seconds:.1f} s", flush=True)
+  model = (BucketedModel(ranker, buckets, args.build, on_compiled=progress)
+           if args.devices == 1 else
+           DeviceSet(ranker, buckets, args.build, devices=jax.local_devices()[:args.devices],
+                     on_compiled=progress))
   batching = BatchingConfig(args.max_batch_requests, args.batch_timeout_ms,
                             max_in_flight=args.max_in_flight or 2 * args.devices)
   uvicorn.run(create_app(model, batching), host=args.host, port=args.port)

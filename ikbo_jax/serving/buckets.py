@@ -10,7 +10,8 @@ and an executable called with any other shape raises instead of recompiling.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -60,10 +61,13 @@ class BucketedModel:
     build: which forward pass serves (`Build`, or its name).
     device: where the parameters live and the executables run (default: jax's default
       device); `ikbo_jax.serving.DeviceSet` keeps one `BucketedModel` per device.
+    on_compiled: called with each bucket and its compile time in seconds as it
+      is compiled (the command line prints them: compiling takes a while).
   """
 
   def __init__(self, model: Ranker, buckets: Sequence[Bucket], build: Build = Build.IKBO, *,
-               device: jax.Device | None = None):
+               device: jax.Device | None = None,
+               on_compiled: Callable[[Bucket, float], None] | None = None):
     build = Build.parse(build)
     if not buckets:
       raise ValueError("buckets is empty: give at least one Bucket")
@@ -85,8 +89,13 @@ class BucketedModel:
     self.device = device or jax.devices()[0]
     self._placement = jax.sharding.SingleDeviceSharding(self.device)
     self._state = jax.device_put(state, self._placement)
-    self._executables = {b: jax.jit(probabilities).lower(self._state, self._example(b)).compile()
-                         for b in self.buckets}
+    self._executables = {}
+    for bucket in self.buckets:
+      start = time.perf_counter()
+      self._executables[bucket] = (
+          jax.jit(probabilities).lower(self._state, self._example(bucket)).compile())
+      if on_compiled is not None:
+        on_compiled(bucket, time.perf_counter() - start)
 
   @property
   def largest(self) -> Bucket:

@@ -10,7 +10,7 @@ number of devices (one batch running on each, one being packed for each).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -28,14 +28,17 @@ class DeviceSet:
     buckets: the shapes every replica compiles.
     build: which forward pass serves (`Build`, or its name).
     devices: where to serve (default: every local device).
+    on_compiled: as for `BucketedModel`, for every replica's buckets.
   """
 
   def __init__(self, model: Ranker, buckets: Sequence[Bucket], build: Build = Build.IKBO, *,
-               devices: Sequence[jax.Device] | None = None):
+               devices: Sequence[jax.Device] | None = None,
+               on_compiled: Callable[[Bucket, float], None] | None = None):
     devices = list(jax.local_devices() if devices is None else devices)
     if not devices:
       raise ValueError("devices is empty: give at least one device")
-    self.replicas = [BucketedModel(model, buckets, build, device=d) for d in devices]
+    self.replicas = [BucketedModel(model, buckets, build, device=d, on_compiled=on_compiled)
+                     for d in devices]
     self.config, self.buckets, self.build = model.config, self.replicas[0].buckets, Build.parse(build)
     self.batches_per_device = [0] * len(devices)
     self._in_flight = [0] * len(devices)

@@ -12,7 +12,6 @@ batcher in turn and prints p50/p90/p99 latency and throughput for each; with
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import time
@@ -22,6 +21,7 @@ import httpx
 import numpy as np
 from flax import nnx
 
+from ikbo_jax import __version__, _cli
 from ikbo_jax.data import Request, RequestError
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.models import PRESETS, Build, Ranker
@@ -59,16 +59,25 @@ async def run_load(score: Callable[[Request], Awaitable], requests: Sequence[Req
   p50, p90, p99 = (np.percentile(latencies, (50, 90, 99)) if latencies else (np.nan,) * 3)
   # The realized rate of this finite Poisson draw: what "keeping up" is judged against.
   offered = len(tasks) / last_arrival if last_arrival > 0 else float(len(tasks))
-  return dict(target_qps=qps, offered_qps=offered, requests=len(tasks), errors=len(errors),
+  return dict(target_qps=qps, offered_qps=offered, requests=len(tasks), answered=len(latencies),
+              errors=len(errors),
               candidates=int(sum(r.num_candidates for r in sent)), seconds=elapsed,
               achieved_qps=len(latencies) / elapsed, p50_ms=float(p50), p90_ms=float(p90),
               p99_ms=float(p99), mean_ms=float(np.mean(latencies)) if latencies else np.nan)
 
 
 def format_row(name: str, stats: dict) -> str:
-  return (f"{name:>9}: {stats['requests']} requests at {stats['target_qps']:.0f}/s -> "
-          f"{stats['achieved_qps']:.0f}/s answered, latency p50 {stats['p50_ms']:.1f} ms, "
-          f"p90 {stats['p90_ms']:.1f} ms, p99 {stats['p99_ms']:.1f} ms, {stats['errors']} errors")
+  """One line per run: what was sent, what came back, and how fast.
+
+  The rate is answers over the whole run, which includes waiting for the last
+  answers after the last request was sent, so it reads below the offered rate
+  even when every request is answered.
+  """
+  return (f"{name:>9}: {stats['requests']} requests sent at {stats['offered_qps']:.0f}/s "
+          f"(target {stats['target_qps']:.0f}/s), {stats['answered']} answered "
+          f"({stats['errors']} refused) in {stats['seconds']:.1f} s; latency "
+          f"p50 {stats['p50_ms']:.1f} ms, p90 {stats['p90_ms']:.1f} ms, "
+          f"p99 {stats['p99_ms']:.1f} ms")
 
 
 async def _serve_load(model: BucketedModel, requests, batching, qps, max_seconds) -> dict:
@@ -87,9 +96,12 @@ def compare_builds(model: Ranker, requests: Sequence[Request], *, qps: float,
   buckets = buckets or default_buckets(model.config, mean_candidates=mean_candidates)
   results = {}
   for build in Build:
+    print(f"compiling {len(buckets)} buckets of the {build} build...", flush=True)
     start = time.perf_counter()
     served = BucketedModel(model, buckets, build)
     compile_s = time.perf_counter() - start
+    print(f"  compiled in {compile_s:.1f} s; sending {len(requests)} requests at {qps:.0f}/s",
+          flush=True)
     results[build] = asyncio.run(_serve_load(served, list(requests), batching, qps, max_seconds))
     results[build].update(compile_seconds=compile_s,
                           buckets=[(b.num_candidates, b.num_users, b.history_slots)
@@ -111,12 +123,16 @@ async def _over_http(url: str, requests, args) -> dict:
 
 
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
-  parser.add_argument("--qps", type=float, default=100.0)
-  parser.add_argument("--requests", type=int, default=500)
-  parser.add_argument("--max-seconds", type=float, default=60.0)
-  parser.add_argument("--mean-candidates", type=float, default=8.0)
+  parser = _cli.parser("ikbo_jax.serving.loadgen", __doc__, __version__)
+  parser.add_argument("--preset", choices=sorted(PRESETS), default="small",
+                      help="model sizes (ikbo_jax.models.PRESETS)")
+  parser.add_argument("--qps", type=float, default=100.0,
+                      help="target request rate (Poisson arrivals)")
+  parser.add_argument("--requests", type=int, default=500, help="requests to send at most")
+  parser.add_argument("--max-seconds", type=float, default=60.0,
+                      help="stop sending after this long")
+  parser.add_argument("--mean-candidates", type=float, default=8.0,
+                      help="mean candidates per request (log-normal)")
   parser.add_argument("--url", help="drive a running server over HTTP instead")
   parser.add_argument("--out", help="write the stats as JSON")
   args = parser.parse_args(argv)

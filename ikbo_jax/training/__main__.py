@@ -9,11 +9,11 @@ held-out AUC before and after, and the step time.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import jax
 
+from ikbo_jax import __version__, _cli
 from ikbo_jax.data import files
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.models import PRESETS, Build
@@ -23,19 +23,23 @@ EVAL_START = 10**9  # synthetic held-out requests: indices no training run reach
 
 
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
-  parser.add_argument("--steps", type=int, default=300)
+  parser = _cli.parser("ikbo_jax.training", __doc__, __version__)
+  parser.add_argument("--preset", choices=sorted(PRESETS), default="small",
+                      help="model sizes (ikbo_jax.models.PRESETS)")
+  parser.add_argument("--steps", type=int, default=300,
+                      help="training steps (the schedule decays over them)")
   parser.add_argument("--users", type=int, default=16, help="requests (user slots) per step")
   parser.add_argument("--candidates", type=int, default=256, help="candidate slots per step")
-  parser.add_argument("--learning-rate", type=float, default=3e-3)
-  parser.add_argument("--build", type=Build.parse, choices=list(Build), default=Build.IKBO)
+  parser.add_argument("--learning-rate", type=float, default=3e-3, help="peak AdamW learning rate")
+  parser.add_argument("--build", type=Build.parse, choices=list(Build), default=Build.IKBO,
+                      help="which forward pass trains (same parameters)")
   parser.add_argument("--train-file", help="Parquet requests (ikbo_jax.data.files schema)")
   parser.add_argument("--eval-file", help="held-out Parquet requests")
-  parser.add_argument("--eval-requests", type=int, default=300)
+  parser.add_argument("--eval-requests", type=int, default=300,
+                      help="held-out requests for the AUC")
   parser.add_argument("--checkpoint-dir", help="save at the end; resume from here if present")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--no-progress", action="store_true")
+  parser.add_argument("--seed", type=int, default=0, help="parameter initialization seed")
+  parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   args = parser.parse_args(argv)
 
   config = PRESETS[args.preset]()
