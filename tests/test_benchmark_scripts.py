@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 
+import jupytext
 import nbformat
 import pytest
 from nbclient import NotebookClient
@@ -68,8 +69,9 @@ def test_small_results_are_complete(small_run):
 
 
 def test_notebook_executes_and_plots(small_run):
+  # From the text source (jupytext percent format), which is what gets edited and reviewed.
   name, out = small_run
-  nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+  nb = jupytext.read(ROOT / "notebooks" / f"{name}.py")
   os.environ["IKBO_RESULTS"] = str(out)
   try:
     NotebookClient(nb, timeout=300, kernel_name="python3",
@@ -79,3 +81,12 @@ def test_notebook_executes_and_plots(small_run):
   outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
   assert SCRIPTS[name][1] in "".join(o.get("text", "") for o in outputs)
   assert any("image/png" in o.get("data", {}) for o in outputs), "the notebook drew no plot"
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_notebook_text_source_and_ipynb_are_in_sync(name):
+  """Each `notebooks/<name>.py` is paired with its `.ipynb` (`jupytext --sync` after an edit)."""
+  text = jupytext.read(ROOT / "notebooks" / f"{name}.py")
+  stored = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+  assert [(c.cell_type, c.source) for c in text.cells] == [
+      (c.cell_type, c.source) for c in stored.cells], f"run: jupytext --sync notebooks/{name}.py"
