@@ -11,7 +11,7 @@ from absl.testing import parameterized
 from jax.experimental import checkify
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from conftest import assert_within_reference_error, random_index, random_lce_args, rel_err
+from ikbo_jax.testing.problems import assert_within_reference_error, random_index, random_lce_args, rel_err
 from ikbo_jax import CandidateIndex, linear_compression
 
 # M, K_user, K_cand, N: none a multiple of the kernel tiles.

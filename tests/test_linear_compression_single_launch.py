@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from conftest import assert_within_reference_error, random_index, random_lce_args
+from ikbo_jax.testing.problems import assert_within_reference_error, random_index, random_lce_args
 from ikbo_jax import linear_compression
 from ikbo_jax.ops import linear_compression_mosaic as mosaic
 

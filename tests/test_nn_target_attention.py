@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from conftest import random_index, rel_err
+from ikbo_jax.testing.problems import random_index, rel_err
 from ikbo_jax.nn import TargetAttention
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import random_index, rel_err
+from ikbo_jax.testing.problems import random_index, rel_err
 from ikbo_jax.nn import UserSequenceBlock
 
 

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from jax.experimental import checkify
 
-from conftest import random_attention_args, random_index, random_lce_args
+from ikbo_jax.testing.problems import random_attention_args, random_index, random_lce_args
 from ikbo_jax import CandidateIndex, linear_compression, self_target_attention, target_attention
 from ikbo_jax import platform
 from ikbo_jax.nn import LinearCompression

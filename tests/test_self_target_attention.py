@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from conftest import (assert_within_reference_error, random_attention_args, random_index,
+from ikbo_jax.testing.problems import (assert_within_reference_error, random_attention_args, random_index,
                       rel_err)
 from ikbo_jax import CandidateIndex, self_target_attention, target_attention
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +114,30 @@ class Result:
     return "\n".join(lines)
 
 
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """One case's inputs and how to run them.
+
+  Attributes:
+    args: the float inputs (differentiated).
+    cotangents: one per output, for the VJP.
+    run: `implementation -> fn(*args)`.
+    reference: `precision -> fn(*args)`, the XLA reference.
+    backends: the op's declared backends (what `_dispatch` resolves).
+    facts: what the backends' limits look at (e.g. `head_dim`).
+    names: the outputs' names; `grad_names` the gradients', in `args` order.
+  """
+
+  args: tuple
+  cotangents: tuple | jax.Array
+  run: Callable[[str], Callable]
+  reference: Callable[[object], Callable]
+  backends: tuple
+  facts: dict
+  names: tuple[str, ...]
+  grad_names: tuple[str, ...]
+
+
 def _pick(rng, pool, low, high, pool_weight=0.7) -> int:
   """From `pool` (edge cases) most of the time, else uniform in `[low, high]`."""
   if rng.random() < pool_weight:
@@ -206,7 +231,7 @@ def _interpreted(impl: str, interpret: bool) -> dict:
 _KERNELS = ("triton", "mosaic_gpu")
 
 
-def _lce_problem(case: LinearCompressionCase, interpret: bool):
+def _lce_problem(case: LinearCompressionCase, interpret: bool) -> Problem:
   keys = jax.random.split(jax.random.key(case.seed), 5)
   b, u = case.mapping.num_candidates, case.mapping.num_users
   shapes = ((case.m, case.k_user), (case.m, case.k_cand), (u, case.k_user, case.n),
@@ -224,12 +249,12 @@ def _lce_problem(case: LinearCompressionCase, interpret: bool):
   def reference(precision):
     return lambda *a: references.linear_compression(*a, index.cand_to_user, precision=precision)
 
-  return dict(args=args, cotangents=cotangent, run=run, reference=reference,
-              backends=lce_op.BACKENDS, facts={}, names=("out",),
-              grad_names=("d_w_user", "d_w_cand", "d_e_user", "d_e_cand"))
+  return Problem(args=args, cotangents=cotangent, run=run, reference=reference,
+                 backends=lce_op.BACKENDS, facts={}, names=("out",),
+                 grad_names=("d_w_user", "d_w_cand", "d_e_user", "d_e_cand"))
 
 
-def _attention_problem(case: AttentionCase, interpret: bool):
+def _attention_problem(case: AttentionCase, interpret: bool) -> Problem:
   keys = jax.random.split(jax.random.key(case.seed), 7)
   b, u = case.mapping.num_candidates, case.mapping.num_users
   t, s, h, d = case.n_seed, case.seq_len, case.heads, case.head_dim
@@ -253,9 +278,10 @@ def _attention_problem(case: AttentionCase, interpret: bool):
       return lambda *a: references.target_attention(
           *a, index.cand_to_user, kv_len, scale=scale, precision=precision)
 
-    return dict(args=(q, k, v), cotangents=(_normal(keys[4], q.shape, case.dtype), lse_cotangent),
-                run=run, reference=reference, backends=target_op.BACKENDS,
-                facts=dict(head_dim=d), names=("out", "lse"), grad_names=("dq", "dk", "dv"))
+    return Problem(args=(q, k, v),
+                   cotangents=(_normal(keys[4], q.shape, case.dtype), lse_cotangent),
+                   run=run, reference=reference, backends=target_op.BACKENDS,
+                   facts=dict(head_dim=d), names=("out", "lse"), grad_names=("dq", "dk", "dv"))
   q_user = _normal(keys[5], (u, s, h, d), case.dtype)
 
   def run(impl):
@@ -268,9 +294,9 @@ def _attention_problem(case: AttentionCase, interpret: bool):
         *a, index.cand_to_user, kv_len, scale=scale, causal=case.causal, precision=precision)
 
   cotangents = (_normal(keys[6], q_user.shape, case.dtype), _normal(keys[4], q.shape, case.dtype))
-  return dict(args=(q_user, q, k, v), cotangents=cotangents, run=run, reference=reference,
-              backends=self_target_op.BACKENDS, facts=dict(head_dim=d),
-              names=("out_user", "out_cand"), grad_names=("dq_user", "dq_cand", "dk", "dv"))
+  return Problem(args=(q_user, q, k, v), cotangents=cotangents, run=run, reference=reference,
+                 backends=self_target_op.BACKENDS, facts=dict(head_dim=d),
+                 names=("out_user", "out_cand"), grad_names=("dq_user", "dq_cand", "dk", "dv"))
 
 
 def _repeatable_outputs(case, implementation: str, num_outputs: int) -> int:
@@ -328,27 +354,27 @@ def run_case(case, implementations: tuple[str, ...] | None = None,
   """
   build = _lce_problem if case.op == "linear_compression" else _attention_problem
   problem = build(case, interpret)
-  supported = _dispatch.supported(problem["backends"], case.dtype, **problem["facts"])
+  supported = _dispatch.supported(problem.backends, case.dtype, **problem.facts)
   if interpret:
-    supported = tuple(b.name for b in problem["backends"]
-                      if b.unsupported(case.dtype, True, **problem["facts"]) is None)
+    supported = tuple(b.name for b in problem.backends
+                      if b.unsupported(case.dtype, True, **problem.facts) is None)
   supported += tuple(name for name, base in _EXTRA_PATHS.get(case.op, {}).items()
                      if base in supported)
   chosen = supported if implementations is None else tuple(
       i for i in implementations if i in supported)
   if not chosen:
     return []
-  args, cotangents = problem["args"], problem["cotangents"]
+  args, cotangents = problem.args, problem.cotangents
   upcast = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
-  f32 = jax.jit(functools.partial(_forward_and_grads, problem["reference"](_HIGHEST)))(
+  f32 = jax.jit(functools.partial(_forward_and_grads, problem.reference(_HIGHEST)))(
       upcast(args), upcast(cotangents))
-  same = jax.jit(functools.partial(_forward_and_grads, problem["reference"](None)))(
+  same = jax.jit(functools.partial(_forward_and_grads, problem.reference(None)))(
       args, cotangents)
-  names = problem["names"] + problem["grad_names"]
+  names = problem.names + problem.grad_names
   scales = _error_scales(names, f32)
   results = []
   for impl in chosen:
-    step = functools.partial(_forward_and_grads, problem["run"](impl))
+    step = functools.partial(_forward_and_grads, problem.run(impl))
     # Under `jit` the Mosaic GPU interpreter's kernels wait on each other forever
     # on a 2-core host (seen with jax 0.11.2); run eagerly, they finish.
     step = step if interpret else jax.jit(step)
