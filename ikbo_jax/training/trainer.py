@@ -23,6 +23,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 from sklearn.metrics import roc_auc_score
+from tqdm.auto import tqdm
 
 from ikbo_jax.data import Request, RequestError, pack_requests
 from ikbo_jax.models import Build, Ranker, RankerConfig, RankingBatch, masked_loss, scores
@@ -130,8 +131,6 @@ class Trainer:
 
   def fit(self, steps: int, *, progress: bool = True, log_every: int = 10) -> list[float]:
     """`steps` steps under a progress bar (loss, candidates/s); returns the losses."""
-    from tqdm.auto import tqdm
-
     losses = []
     bar = tqdm(range(steps), desc=f"train ({self.train_config.build})", disable=not progress,
                unit="step")
