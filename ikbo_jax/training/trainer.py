@@ -130,18 +130,27 @@ class Trainer:
     return loss, count
 
   def fit(self, steps: int, *, progress: bool = True, log_every: int = 10) -> list[float]:
-    """`steps` steps under a progress bar (loss, candidates/s); returns the losses."""
-    losses = []
-    bar = tqdm(range(steps), desc=f"train ({self.train_config.build})", disable=not progress,
-               unit="step")
-    start, seen = None, 0
+    """`steps` steps under a progress bar (loss, candidates/s); returns the losses.
+
+    The first step compiles: it runs before the bar starts (with a line saying
+    so and how long it took), so the bar's rate and time estimate are the
+    steady state's.
+    """
+    if steps <= 0:
+      return []
+    start = time.perf_counter()
+    if progress:
+      print(f"compiling the training step ({self.train_config.build} build)...", flush=True)
+    first, _ = self._step()
+    losses = [float(first)]
+    if progress:
+      print(f"  compiled and ran step 1 in {time.perf_counter() - start:.1f} s", flush=True)
+    bar = tqdm(range(1, steps), initial=1, total=steps, disable=not progress, unit="step",
+               desc=f"train ({self.train_config.build})")
+    start, seen = time.perf_counter(), 0
     for _ in bar:
       loss, count = self._step()
       losses.append(loss)
-      if start is None:  # the rate starts after the first step, which compiles
-        jax.block_until_ready(losses[-1])
-        start = time.perf_counter()
-        continue
       seen += count
       if len(losses) % log_every == 0 or len(losses) == steps:
         losses[-1] = float(losses[-1])  # waits for the step: the rate is honest
