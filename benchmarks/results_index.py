@@ -1,0 +1,137 @@
+"""The index of `benchmarks/results/`: each file, what produced it, at which commit, who cites it.
+
+    python -m benchmarks.results_index --write   # regenerate the index in docs/results.md
+    python -m benchmarks.results_index --check   # fail if it is stale (CI does this)
+
+The index is the part of `docs/results.md` between the two `INDEX` markers; the
+rest of that file is written by hand. A result file that no document, notebook or
+script cites belongs in `benchmarks/results/archive/`, where the index still
+lists it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "docs" / "results.md"
+START, END = "<!-- INDEX START (benchmarks/results_index.py) -->", "<!-- INDEX END -->"
+
+# File name prefix -> what writes such a file (longest prefix wins).
+PRODUCERS = {
+    "linear_compression": "benchmarks/linear_compression.py",
+    "lce_diagnostics": "benchmarks/lce_diagnostics.py",
+    "target_attention": "benchmarks/target_attention.py",
+    "self_target_attention": "benchmarks/self_target_attention.py",
+    "attention_diagnostics": "benchmarks/attention_diagnostics.py",
+    "attention_profile": "the attention profiler (removed; git history at 96ba4de)",
+    "ranking_system": "benchmarks/ranking_system.py",
+    "rewrite_fuzz": "tools/rewrite_fuzz.py",
+    "rewrite_old_code": "tools/rewrite_fuzz.py on the old code",
+    "rewrite": "benchmarks/rewrite.py",
+    "soak": "tools/soak.py",
+    "gpu_sweep": "tests/test_gpu_sweep.py",
+    "correctness_sweep": "tests/test_gpu_sweep.py (an earlier form)",
+    "gpu_rewrite_tests": "pytest tests/test_rewrite*.py on the GPU",
+    "gpu_tests": "pytest -m gpu (benchmarks/gpu_run.sh)",
+    "main_job": "python -m ikbo_jax (benchmarks/gpu_run.sh system)",
+    "demo": "python -m ikbo_jax.demo",
+    "ncu": "Nsight Compute (benchmarks/gpu_run.sh attention_ncu)",
+    "nvidia_smi": "nvidia-smi (benchmarks/gpu_run.sh)",
+    "old_code_repro": "a reproduction on the code before a fix",
+}
+# Where citations are looked for.
+CITING = ("README.md", "docs/*.md", "notebooks/*.py", "benchmarks/*.py", "benchmarks/*.sh",
+          "tests/*.py")
+
+
+def _producer(name: str) -> str:
+  matches = [p for p in PRODUCERS if name.startswith(p)]
+  return PRODUCERS[max(matches, key=len)] if matches else "?"
+
+
+def _facts(path: pathlib.Path) -> tuple[str, str, str]:
+  """`(commit, date, device)` from a JSON result, else from the file name (`..._<commit>.log`)."""
+  commit = date = device = ""
+  if path.suffix == ".json":
+    try:
+      data = json.loads(path.read_text())
+    except json.JSONDecodeError:
+      data = {}
+    if isinstance(data, dict):
+      commit = str(data.get("commit", ""))[:10].split(" ")[0]
+      date, device = str(data.get("date", ""))[:10], str(data.get("device", ""))
+  if not commit and (found := re.search(r"_([0-9a-f]{7})\.\w+$", path.name)):
+    commit = found.group(1)
+  return commit or "-", date or "-", device or "-"
+
+
+def _citations() -> dict[str, str]:
+  """Text of every citing file (the generated index itself excluded), by relative path."""
+  texts = {}
+  for pattern in CITING:
+    for path in sorted(ROOT.glob(pattern)):
+      text = path.read_text(errors="ignore")
+      if path == DOC and START in text:
+        text = text[:text.index(START)] + text[text.index(END):]
+      texts[str(path.relative_to(ROOT))] = text
+  return texts
+
+
+def _cited_by(name: str, texts: dict[str, str]) -> list[str]:
+  """Files that name `name`, or a glob in backticks that matches it."""
+  cited = []
+  for source, text in texts.items():
+    globs = [g.rsplit("/", 1)[-1] for g in re.findall(r"`([^`\s]*\*[^`\s]*)`", text)]
+    if name in text or any(fnmatch.fnmatch(name, g) for g in globs if g):
+      cited.append(source)
+  return cited
+
+
+def index() -> str:
+  """The generated index, markers included."""
+  texts = _citations()
+  rows = ["| file | produced by | commit | date | device | cited by |", "|---|---|---|---|---|---|"]
+  for path in sorted(p for p in RESULTS.rglob("*") if p.is_file()):
+    rel = str(path.relative_to(RESULTS))
+    commit, date, device = _facts(path)
+    cited = ", ".join(_cited_by(path.name, texts))
+    cited = cited or ("archived" if rel.startswith("archive/") else "nothing (archive it)")
+    rows.append(f"| `{rel}` | {_producer(path.name)} | {commit} | {date} | {device} | {cited} |")
+  return "\n".join([START, "", *rows, "", END])
+
+
+def render(doc: str) -> str:
+  """`doc` with its index replaced by a freshly generated one."""
+  if START not in doc or END not in doc:
+    raise ValueError(f"{DOC} has no index markers ({START} ... {END})")
+  return doc[:doc.index(START)] + index() + doc[doc.index(END) + len(END):]
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.results_index",
+                                   description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  mode = parser.add_mutually_exclusive_group(required=True)
+  mode.add_argument("--write", action="store_true", help="regenerate the index in place")
+  mode.add_argument("--check", action="store_true", help="exit 1 if the index is stale")
+  args = parser.parse_args(argv)
+  doc = DOC.read_text()
+  fresh = render(doc)
+  if args.write:
+    DOC.write_text(fresh)
+    return 0
+  if fresh != doc:
+    print(f"{DOC.relative_to(ROOT)} is stale: run python -m benchmarks.results_index --write")
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
