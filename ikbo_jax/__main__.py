@@ -14,23 +14,13 @@ from __future__ import annotations
 
 import json
 
-import jax
-import numpy as np
-from flax import nnx
-
 from ikbo_jax import __version__, _cli
-from ikbo_jax.data import pack_requests
-from ikbo_jax.data.synthetic import ClickGenerator
-from ikbo_jax.models import PRESETS, Build
-from ikbo_jax.serving import loadgen
-from ikbo_jax.serving.loadgen import format_row
-from ikbo_jax.training import TrainConfig, Trainer
+from ikbo_jax.models.config import PRESETS
 
 EVAL_START, LOAD_START = 10**9, 2 * 10**9  # disjoint from the training requests
 
 
 def main(argv=None) -> dict:
-  on_gpu = jax.default_backend() == "gpu"
   parser = _cli.parser("ikbo_jax", __doc__, __version__)
   parser.add_argument("--preset", choices=sorted(PRESETS), default="small",
                       help="model sizes (ikbo_jax.models.PRESETS)")
@@ -38,12 +28,29 @@ def main(argv=None) -> dict:
   parser.add_argument("--qps", type=float, default=100.0,
                       help="request rate of the serving comparison")
   parser.add_argument("--requests", type=int, default=300, help="requests sent to each build")
-  parser.add_argument("--mean-candidates", type=float, default=70.0 if on_gpu else 8.0,
-                      help="candidates per request (the user:candidate ratio)")
+  parser.add_argument("--mean-candidates", type=float,
+                      help="candidates per request, the user:candidate ratio (default: 70 on "
+                           "a GPU, 8 elsewhere)")
   parser.add_argument("--users", type=int, default=16, help="requests per training step")
   parser.add_argument("--out", help="write the report as JSON")
-  args = parser.parse_args(argv)
+  return _run(parser.parse_args(argv))
 
+
+def _run(args) -> dict:
+  # Imported after parsing, so that --help and --version answer before jax loads.
+  import jax
+  import numpy as np
+  from flax import nnx
+
+  from ikbo_jax.data import pack_requests
+  from ikbo_jax.data.synthetic import ClickGenerator
+  from ikbo_jax.models import Build
+  from ikbo_jax.serving import loadgen
+  from ikbo_jax.serving.loadgen import format_row
+  from ikbo_jax.training import TrainConfig, Trainer
+
+  if args.mean_candidates is None:
+    args.mean_candidates = 70.0 if jax.default_backend() == "gpu" else 8.0
   config = PRESETS[args.preset]()
   print(f"device: {jax.devices()[0].device_kind}, preset {args.preset}: {config}")
   gen = ClickGenerator(config, seed=0, mean_candidates=args.mean_candidates,

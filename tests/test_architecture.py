@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "ikbo_jax"
 
 # Lowest first. Packages of one layer are siblings and must not import each other.
 LAYERS = (
-    ("ikbo_jax._padding", "ikbo_jax.platform", "ikbo_jax._cli"),
+    ("ikbo_jax._padding", "ikbo_jax.platform", "ikbo_jax._cli", "ikbo_jax._lazy"),
     ("ikbo_jax.kernels",),  # arrays and a config in: below the index, so it never sees one
     ("ikbo_jax.index",),
     ("ikbo_jax._validation", "ikbo_jax._dispatch"),

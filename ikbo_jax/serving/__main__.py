@@ -10,17 +10,9 @@
 
 from __future__ import annotations
 
-
-import jax
-import uvicorn
-from flax import nnx
-
 from ikbo_jax import __version__, _cli
-from ikbo_jax.models import PRESETS, Build, Ranker, load_ranker
-from ikbo_jax.serving.batcher import BatchingConfig
-from ikbo_jax.serving.buckets import BucketedModel, default_buckets
-from ikbo_jax.serving.devices import DeviceSet
-from ikbo_jax.serving.http import create_app
+from ikbo_jax.models.builds import Build
+from ikbo_jax.models.config import PRESETS
 
 
 def main(argv=None) -> None:
@@ -45,6 +37,21 @@ def main(argv=None) -> None:
   parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
   parser.add_argument("--port", type=int, default=8000, help="port to listen on")
   args = parser.parse_args(argv)
+  _serve(args, parser)
+
+
+def _serve(args, parser) -> None:
+  # Imported after parsing, so that --help and --version answer before jax loads.
+  import jax
+  import uvicorn
+  from flax import nnx
+
+  from ikbo_jax.models import Ranker, load_ranker
+  from ikbo_jax.serving.batcher import BatchingConfig
+  from ikbo_jax.serving.buckets import BucketedModel, default_buckets
+  from ikbo_jax.serving.devices import DeviceSet
+  from ikbo_jax.serving.http import create_app
+
   config = PRESETS[args.preset]()
   if args.checkpoint_dir:
     ranker = load_ranker(config, args.checkpoint_dir)
@@ -52,7 +59,7 @@ def main(argv=None) -> None:
     print("no --checkpoint-dir: serving random weights")
     ranker = Ranker(config, rngs=nnx.Rngs(0))
   buckets = default_buckets(config, max_batch_requests=args.max_batch_requests,
-                                    mean_candidates=args.mean_candidates)
+                            mean_candidates=args.mean_candidates)
   if not 1 <= args.devices <= len(jax.local_devices()):
     parser.error(f"--devices must be in [1, {len(jax.local_devices())}], got {args.devices}")
   print(f"compiling {len(buckets)} buckets of the {args.build} build on {args.devices} "

@@ -11,13 +11,9 @@ from __future__ import annotations
 
 import json
 
-import jax
-
 from ikbo_jax import __version__, _cli
-from ikbo_jax.data import files
-from ikbo_jax.data.synthetic import ClickGenerator
-from ikbo_jax.models import PRESETS, Build
-from ikbo_jax.training import TrainConfig, Trainer
+from ikbo_jax.models.builds import Build
+from ikbo_jax.models.config import PRESETS
 
 EVAL_START = 10**9  # synthetic held-out requests: indices no training run reaches
 
@@ -41,6 +37,16 @@ def main(argv=None) -> dict:
   parser.add_argument("--seed", type=int, default=0, help="parameter initialization seed")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   args = parser.parse_args(argv)
+  return _train(args, parser)
+
+
+def _train(args, parser) -> dict:
+  # Imported after parsing, so that --help and --version answer before jax loads.
+  import jax
+
+  from ikbo_jax.data import files
+  from ikbo_jax.data.synthetic import ClickGenerator
+  from ikbo_jax.training import TrainConfig, Trainer
 
   config = PRESETS[args.preset]()
   if args.train_file:
