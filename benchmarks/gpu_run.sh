@@ -22,7 +22,7 @@ if has lc; then
   tail -n 13 "$OUT/bench.log"
 fi
 if has backward; then
-  timeout 300 python3 -m pytest -q -x -s tests/test_target_attention_mosaic.py tests/test_regressions.py \
+  timeout 300 python3 -m pytest -q -x -s tests/test_target_attention_mosaic.py tests/test_target_attention_backward.py \
     -m gpu -k "hopper or single_position or one_key or bit_repeatable" 2>&1 \
     | tee "$OUT/gpu_backward_tests.log" | tail -n 30
   timeout 280 python3 -m benchmarks.target_attention --seq-lens 512 1024 2048 4096 8192 \
@@ -76,7 +76,8 @@ fi
 if has sweep; then
   # -s: the sweep prints each failure as it happens, so a run cut by its limit keeps them.
   timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -s -p no:cacheprovider -m gpu --tb=line -rf \
-    tests/test_gpu_sweep.py tests/test_regressions.py 2>&1 | tee "$OUT/gpu_sweep.log" \
+    tests/test_gpu_sweep.py tests/test_target_attention_backward.py \
+    tests/test_attention_padding_and_nan.py 2>&1 | tee "$OUT/gpu_sweep.log" \
     | grep -E "FAIL |^FAILED|passed|failed" | cut -c1-400
 fi
 if has soak; then

@@ -1,4 +1,7 @@
-"""pytest setup: GPU tests skip without a GPU (the shared problem builders are `ikbo_jax.testing.problems`)."""
+"""pytest setup: GPU tests skip without a GPU.
+
+The shared problem builders are in `ikbo_jax.testing.problems`.
+"""
 
 import jax
 import pytest

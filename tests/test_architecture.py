@@ -6,9 +6,9 @@ of a higher layer, or of another package of the same layer, fails this test,
 as does any circle between modules. Function-local imports count as well.
 """
 
-import ast
 import pathlib
 
+import ast
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "ikbo_jax"

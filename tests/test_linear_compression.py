@@ -11,8 +11,11 @@ from absl.testing import parameterized
 from jax.experimental import checkify
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from ikbo_jax.testing.problems import assert_within_reference_error, random_index, random_lce_args, rel_err
 from ikbo_jax import CandidateIndex, linear_compression
+from ikbo_jax.ops import linear_compression_mosaic
+from ikbo_jax.testing import error_rule, references, sweep
+from ikbo_jax.testing.problems import (
+    assert_within_reference_error, random_index, random_lce_args, rel_err)
 
 # M, K_user, K_cand, N: none a multiple of the kernel tiles.
 SMALL = (70, 40, 30, 100)
@@ -257,3 +260,29 @@ class TestWithAndWithoutJit(chex.TestCase):
     out = op(*args)
     chex.assert_shape(out, (index.num_candidates, SMALL[0], SMALL[3]))
     chex.assert_trees_all_close(out, _f32_reference(args, index), rtol=1e-5, atol=1e-5)
+
+
+# Defect: Mosaic GPU linear compression wrong for N <= 64 (a consumer's store
+# past a 64-wide dimension landed on the other consumer's columns).
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k_user, k_cand", [
+    (96, 64, 128, 256), (70, 64, 128, 256), (64, 64, 64, 64), (96, 33, 40, 64), (40, 130, 16, 8)])
+def test_gpu_lce_mosaic_small_n_and_m(m, n, k_user, k_cand):
+  case = sweep.LinearCompressionCase(
+      seed=m + n, mapping=sweep.Mapping(20, 300, 2, False), m=m, n=n, k_user=k_user,
+      k_cand=k_cand, dtype="bfloat16")
+  sweep.assert_passes(case, ("mosaic_gpu",))
+
+
+@pytest.mark.gpu
+def test_gpu_lce_mosaic_two_launch_forward_n64():
+  """The two-launch forward (user GEMM in XLA first) at the reported shape."""
+  mapping = sweep.Mapping(20, 300, 0, False)
+  index = mapping.index(np.random.default_rng(0))
+  args = random_lce_args(0, 96, 128, 256, 64, 20, 300, jnp.bfloat16)
+  out, _ = linear_compression_mosaic.forward(*args, index.cand_to_user, interpret=False,
+                                             single_launch=False)
+  same = references.linear_compression(*args, index.cand_to_user)
+  f32 = references.linear_compression(*[a.astype(jnp.float32) for a in args],
+                                      index.cand_to_user, precision="highest")
+  error_rule.assert_within_reference_error("out", out, same, f32, jnp.bfloat16)

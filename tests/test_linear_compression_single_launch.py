@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from ikbo_jax.testing.problems import assert_within_reference_error, random_index, random_lce_args
 from ikbo_jax import linear_compression
 from ikbo_jax.ops import linear_compression_mosaic as mosaic
+from ikbo_jax.testing.problems import assert_within_reference_error, random_index, random_lce_args
 
 # M, K_user, K_cand, N of the published IKBO benchmark shape.
 PUBLISHED = (433, 1178, 866, 256)

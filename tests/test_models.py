@@ -10,8 +10,7 @@ from flax import nnx
 
 from ikbo_jax.data import pack_requests
 from ikbo_jax.data.synthetic import ClickGenerator
-from ikbo_jax.models import Ranker, RankerConfig
-from ikbo_jax.models import masked_loss
+from ikbo_jax.models import Ranker, RankerConfig, masked_loss
 
 _ikbo = nnx.jit(lambda model, batch: model(batch))
 _standard = nnx.jit(lambda model, batch: model.standard(batch))

@@ -5,9 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ikbo_jax.testing.problems import assert_within_reference_error, random_index, random_lce_args, rel_err
 from ikbo_jax import linear_compression
 from ikbo_jax.kernels.mosaic_gpu import weight_grad as weight_grad_kernel
+from ikbo_jax.testing.problems import (
+    assert_within_reference_error, random_index, random_lce_args, rel_err)
 
 
 def _operands(seed, num_cands, k, m, n, dtype=jnp.bfloat16):

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ikbo_jax.testing.problems import random_index, rel_err
 from ikbo_jax.nn import LinearCompression
+from ikbo_jax.testing.problems import random_index, rel_err
 
 
 class MaterializedCompression(nnx.Module):
@@ -47,3 +47,14 @@ def test_module_conventions():
   assert out.dtype == jnp.float32  # inputs promote with bfloat16 params
   layer32 = LinearCompression(3, 2, 5, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   assert layer32(jnp.ones((2, 3, 4)), jnp.ones((3, 2, 4)), index).dtype == jnp.bfloat16
+
+
+# Defect: nn.LinearCompression initialized at 2.17x nnx.Linear's scale at the published shape.
+def test_linear_compression_init_matches_nnx_linear_over_the_concatenated_stack():
+  k_user, k_cand, m = 1178, 866, 433
+  layer = LinearCompression(k_user, k_cand, m, rngs=nnx.Rngs(0))
+  dense = nnx.Linear(k_user + k_cand, m, rngs=nnx.Rngs(1))
+  w = np.concatenate([layer.w_user[...], layer.w_cand[...]], axis=1)
+  assert w.shape == (m, k_user + k_cand)
+  np.testing.assert_allclose(w.std(), np.asarray(dense.kernel[...]).std(), rtol=0.02)
+  np.testing.assert_allclose(w.std(), 1 / np.sqrt(k_user + k_cand), rtol=0.05)

@@ -3,8 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ikbo_jax.testing.problems import random_index, rel_err
 from ikbo_jax.nn import TargetAttention
+from ikbo_jax.testing.problems import random_index, rel_err
 
 
 def test_parity_with_multi_head_attention_on_the_materialized_broadcast():

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ikbo_jax.testing.problems import random_index, rel_err
 from ikbo_jax.nn import UserSequenceBlock
+from ikbo_jax.testing.problems import random_index, rel_err
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 
 from ikbo_jax import rewrite
-from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.data import pack_requests
+from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.models import Ranker, RankerConfig, RankingBatch
 from ikbo_jax.testing.rewrite_check import check_rewrite
 

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from ikbo_jax.testing.problems import (assert_within_reference_error, random_attention_args, random_index,
-                      rel_err)
 from ikbo_jax import CandidateIndex, self_target_attention, target_attention
+from ikbo_jax.testing import sweep
+from ikbo_jax.testing.problems import (
+    assert_within_reference_error, attention_inputs, random_attention_args, random_index, rel_err)
 
 
 def _problem(seed, num_users, num_cands, t, s, h, d, dtype=jnp.bfloat16, empty_users=1):
@@ -155,3 +156,20 @@ def test_gpu_forward_and_gradients(causal):
   f32 = grad_fn("xla")(*_f32(args))
   for g, s, r in zip(grads, same, f32):
     assert rel_err(g, r) <= 2 * rel_err(s, r) + 1e-3
+
+
+# Defect (found by the GPU sweep): the Mosaic self + target backward raised inside
+# cuDNN ("Unsupported sequence length Q 127, KV 127") for an odd sequence length.
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_len, causal", [(127, True), (3717, True), (201, False)])
+def test_gpu_self_target_backward_with_an_odd_sequence_length(seq_len, causal):
+  case = sweep.AttentionCase(seed=seq_len, mapping=sweep.Mapping(3, 8, 1, False), n_seed=16,
+                             seq_len=seq_len, heads=2, head_dim=64,
+                             kv_len=(seq_len, 0, seq_len // 2), dtype="float16", causal=causal)
+  sweep.assert_passes(case, ("mosaic_gpu",))
+
+
+def test_self_target_errors_name_q_cand():
+  (q, k, v), index = attention_inputs()
+  with pytest.raises(ValueError, match=r"q_cand.shape\[0\]"):
+    self_target_attention(k, q[:-1], k, v, index)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from jax.experimental import checkify
 
-from ikbo_jax.testing.problems import (assert_within_reference_error, random_attention_args, random_index,
-                      rel_err)
 from ikbo_jax import CandidateIndex, target_attention
+from ikbo_jax.testing.problems import (
+    assert_within_reference_error, random_attention_args, random_index, rel_err)
 
 
 def _problem(seed, dtype, num_users=3, num_cands=7, empty_users=1, t=5, s=13, h=2, d=16):

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from ikbo_jax.testing.problems import (assert_within_reference_error, random_attention_args, random_index,
-                      rel_err)
 from ikbo_jax import CandidateIndex, target_attention
 from ikbo_jax.testing import sweep
+from ikbo_jax.testing.problems import (
+    assert_within_reference_error, random_attention_args, random_index, rel_err)
 
 
 def _problem(seed, num_users, num_cands, t, s, h, d, dtype=jnp.bfloat16, empty_users=1):

@@ -9,10 +9,8 @@ from flax import nnx
 
 from ikbo_jax.data import Request, RequestError, files
 from ikbo_jax.data.synthetic import ClickGenerator
-from ikbo_jax.models import RankerConfig
-from ikbo_jax.training import TrainConfig, Trainer
-from ikbo_jax.models import load_ranker
-from ikbo_jax.training import __main__ as train_command
+from ikbo_jax.models import RankerConfig, load_ranker
+from ikbo_jax.training import TrainConfig, Trainer, __main__ as train_command
 
 CONFIG = RankerConfig()
 

@@ -47,3 +47,9 @@ def assert_within_reference_error(out, same_precision_ref, f32_ref, dtype=None, 
   twice the same-precision XLA error plus the floor of `dtype` (default: `out`'s dtype)."""
   error_rule.assert_within_reference_error(
       name, out, same_precision_ref, f32_ref, out.dtype if dtype is None else dtype)
+
+
+def attention_inputs(d=16, dtype=jnp.float32, t=3, s=20, num_users=3, num_cands=6):
+  """`((q, k, v), index)`: a small target-attention problem with an unsorted mapping."""
+  index = random_index(np.random.default_rng(0), num_users, num_cands)
+  return random_attention_args(0, num_users, num_cands, t, s, 2, d, dtype), index

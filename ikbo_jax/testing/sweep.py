@@ -390,6 +390,15 @@ def run_case(case, implementations: tuple[str, ...] | None = None,
   return results
 
 
+def assert_passes(case, implementations: tuple[str, ...], interpret: bool = False) -> None:
+  """`run_case` on exactly `implementations`, raising with every failure described."""
+  results = run_case(case, implementations, interpret=interpret)
+  assert {r.implementation for r in results} == set(implementations), (
+      f"not every implementation ran: {[r.implementation for r in results]}")
+  failures = [r.describe() for r in results if not r.ok]
+  assert not failures, "\n".join(failures)
+
+
 def summarize(results: list[Result]) -> dict:
   """Per op and implementation: cases, failures, repeatability and the worst ratio per output."""
   summary = {}
