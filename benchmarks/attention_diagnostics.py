@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common
-from benchmarks.self_target_attention import _inputs
-from benchmarks.target_attention import PUBLISHED
+from benchmarks.problems import self_target_inputs
+from benchmarks.shapes import ATTENTION as PUBLISHED
 from ikbo_jax.kernels.mosaic_gpu import target_attention as kernel
 from ikbo_jax.ops.target_attention import mosaic_gpu as target_attention_mosaic
 
@@ -32,7 +32,7 @@ CONFIGS = {
 
 def kernel_steps(seq_len: int, config: kernel.Config, shape=PUBLISHED) -> dict:
   """kind -> (jitted fn, operands): target attention alone and self + target in one launch."""
-  (q_user, q_cand, k, v), index, _ = _inputs(shape, seq_len, jnp.bfloat16)
+  (q_user, q_cand, k, v), index, _ = self_target_inputs(shape, seq_len, jnp.bfloat16)
   kv_len = jnp.full(k.shape[0], seq_len, jnp.int32)
   common_args = dict(scale=1 / np.sqrt(k.shape[-1]), save_lse=False, config=config)
   target = functools.partial(target_attention_mosaic.aligned_forward, **common_args)

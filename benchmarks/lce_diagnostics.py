@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import common
-from benchmarks.linear_compression import PUBLISHED, _problem, pad_k
+from benchmarks.problems import linear_compression_problem, pad_k
+from benchmarks.shapes import LINEAR_COMPRESSION as PUBLISHED
 from ikbo_jax._padding import pad_to_multiple
 from ikbo_jax.kernels.mosaic_gpu import linear_compression as mosaic_kernel
 from ikbo_jax.kernels.mosaic_gpu import weight_grad as weight_grad_kernel
@@ -83,7 +84,7 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--out", required=True)
   out_path = parser.parse_args().out
-  args, index = _problem(**PUBLISHED, dtype=jnp.bfloat16)
+  args, index = linear_compression_problem(**PUBLISHED, dtype=jnp.bfloat16)
   d_out = jax.random.normal(jax.random.key(3), (PUBLISHED["num_candidates"], PUBLISHED["m"],
                                                 PUBLISHED["n"]), jnp.bfloat16)
   payload = dict(**common.metadata(), shape=PUBLISHED)

@@ -13,33 +13,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks import common
-from ikbo_jax import CandidateIndex, linear_compression
-from ikbo_jax._padding import pad_to_multiple
+from benchmarks.problems import linear_compression_problem, pad_k
+from benchmarks.shapes import LINEAR_COMPRESSION as PUBLISHED
+from benchmarks.shapes import LINEAR_COMPRESSION_PUBLISHED_H100_MS as PUBLISHED_MS
+from ikbo_jax import linear_compression
 from ikbo_jax.ops import linear_compression_mosaic as mosaic
 from ikbo_jax.ops.linear_compression import default_implementation
-
-PUBLISHED = dict(num_candidates=1024, num_users=15, m=433, n=256, k_user=1178, k_cand=866)
-PUBLISHED_MS = {"baseline": 1.944, "decomposed": 1.389, "decomposed_padded": 0.798,
-                "fused": 0.580, "persistent": 0.482}
-
-
-def _problem(num_candidates, num_users, m, n, k_user, k_cand, dtype, seed=0):
-  rng = np.random.default_rng(seed)
-  index = CandidateIndex.from_mapping(
-      jnp.asarray(rng.integers(0, num_users, num_candidates), jnp.int32), num_users)
-  keys = jax.random.split(jax.random.key(seed), 4)
-  shapes = [(m, k_user), (m, k_cand), (num_users, k_user, n), (num_candidates, k_cand, n)]
-  args = [jax.random.normal(k, s, jnp.float32).astype(dtype) * 0.05 for k, s in zip(keys, shapes)]
-  return args, index
-
-
-def pad_k(x):
-  """Pads the stacking (K) axis to a multiple of 8, as an aligned upstream layout would be."""
-  return pad_to_multiple(x, 1, 8)
-
 
 def variants(args, index, kernels: bool):
   """name -> (jitted fn, operands). Padding/broadcast marked 'pre' happen outside the timing."""
@@ -83,7 +64,7 @@ def _flops_bytes(name, num_candidates, num_users, m, n, k_user, k_cand, itemsize
 
 
 def run_shape(shape, dtype, ceilings, kernels, iterations, check=True):
-  args, index = _problem(**shape, dtype=dtype)
+  args, index = linear_compression_problem(**shape, dtype=dtype)
   rows = {}
   ref = None
   for name, (fn, operands) in variants(args, index, kernels).items():
@@ -112,7 +93,7 @@ def fwd_bwd(shape, dtype, iterations):
   The materialized model is differentiated by plain autodiff (the scatter-add
   of the gather and the full-K GEMMs); every variant gets the same cotangent.
   """
-  args, index = _problem(**shape, dtype=dtype)
+  args, index = linear_compression_problem(**shape, dtype=dtype)
   impl = default_implementation(dtype)
   cot = jax.random.normal(jax.random.key(9), (shape["num_candidates"], shape["m"], shape["n"]),
                           dtype)

@@ -20,34 +20,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import jax
-import numpy as np
 import optax
 from flax import nnx
 
 from benchmarks import common
+from benchmarks.problems import ranking_batch
 from ikbo_jax.data.synthetic import ClickGenerator
-from ikbo_jax.models import Ranker, RankerConfig, RankingBatch
+from ikbo_jax.models import Ranker, RankerConfig
 from ikbo_jax.serving import Batcher, BatchingConfig, BucketedModel
 from ikbo_jax.serving.loadgen import run_load
 from ikbo_jax.serving.buckets import default_buckets
 from ikbo_jax.training import trainer
 
 BUILDS = ("ikbo", "standard")
-
-
-def random_batch(config: RankerConfig, num_users: int, num_candidates: int,
-                 seed: int = 0) -> RankingBatch:
-  """Users with histories of S/2..S items and candidates split evenly between them."""
-  rng = np.random.default_rng(seed)
-  s = config.max_history
-  return RankingBatch(
-      user_dense=rng.normal(size=(num_users, config.user_dense)).astype(np.float32),
-      history=rng.integers(0, config.num_items, (num_users, s), dtype=np.int32),
-      history_len=rng.integers(s // 2, s + 1, num_users, dtype=np.int32),
-      cand_to_user=np.sort(np.arange(num_candidates) % num_users).astype(np.int32),
-      cand_items=rng.integers(0, config.num_items, num_candidates, dtype=np.int32),
-      cand_dense=rng.normal(size=(num_candidates, config.cand_dense)).astype(np.float32),
-      labels=(rng.random(num_candidates) < 0.3).astype(np.float32))
 
 
 def _forward(build):
@@ -58,7 +43,7 @@ def inference(model, config, sizes, ratios, iterations) -> dict:
   rows = {}
   for b in sizes:
     for ratio in ratios:
-      batch = jax.device_put(random_batch(config, max(1, round(b / ratio)), b))
+      batch = jax.device_put(ranking_batch(config, max(1, round(b / ratio)), b))
       row = {}
       for build in BUILDS:
         try:
@@ -87,7 +72,7 @@ def _functional_step(graphdef, build):
 
 
 def training(config, b, ratio, iterations) -> dict:
-  batch = jax.device_put(random_batch(config, max(1, round(b / ratio)), b, seed=1))
+  batch = jax.device_put(ranking_batch(config, max(1, round(b / ratio)), b, seed=1))
   row = dict(num_candidates=b, num_users=batch.num_users)
   for build in BUILDS:
     model = Ranker(config, rngs=nnx.Rngs(0))

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import common
-from benchmarks.ranking_system import random_batch
+from benchmarks.problems import ranking_batch
 from ikbo_jax import CandidateIndex, linear_compression, rewrite, target_attention
 from ikbo_jax.models import Ranker, RankerConfig, RankingBatch
 
@@ -138,7 +138,7 @@ def tower_case(b, u, f_user, hidden, dtype):
 def ranker_case(config, b, ratio):
   model = Ranker(config, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
-  batch = random_batch(config, max(1, round(b / ratio)), b)
+  batch = ranking_batch(config, max(1, round(b / ratio)), b)
 
   def as_batch(user_dense, history, history_len, ids, cand_items, cand_dense):
     return RankingBatch(user_dense, history, history_len, ids, cand_items, cand_dense,

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from benchmarks import common
-from benchmarks.target_attention import cudnn, sweep_parser, sweep_setup
-from ikbo_jax import CandidateIndex, self_target_attention, target_attention
+from benchmarks.problems import (attention_sweep_parser, attention_sweep_setup, cudnn,
+                                 self_target_inputs)
+from ikbo_jax import self_target_attention, target_attention
 from ikbo_jax.nn import UserSequenceBlock
 
 SEQ_LENS = (512, 1024, 2048, 4096)
@@ -45,19 +45,6 @@ def _cost(shape, seq_len, causal, itemsize, backward=False):
   if backward:
     return 2.5 * flops, itemsize * (3 * cand_size + 3 * user_size + 4 * user_size)
   return flops, itemsize * (2 * cand_size + 2 * user_size + 2 * user_size)
-
-
-def _inputs(shape, seq_len, dtype):
-  u, b, h, d, t = (shape[key] for key in ("num_users", "num_candidates", "heads", "head_dim",
-                                          "n_seed"))
-  keys = jax.random.split(jax.random.key(seq_len), 6)
-  normal = lambda key, s: jax.random.normal(key, s, jnp.float32).astype(dtype)
-  q_user, k, v = (normal(key, (u, seq_len, h, d)) for key in keys[:3])
-  q_cand = normal(keys[3], (b, t, h, d))
-  ids = np.random.default_rng(seq_len).permutation(np.repeat(np.arange(u), b // u))
-  index = CandidateIndex.from_mapping(jnp.asarray(ids, jnp.int32), u)
-  cotangents = (jax.random.normal(keys[4], q_user.shape), jax.random.normal(keys[5], q_cand.shape))
-  return (q_user, q_cand, k, v), index, cotangents
 
 
 def _steps(index, causal, on_gpu):
@@ -116,7 +103,7 @@ def _block_rows(shape, seq_len, dtype, index):
 
 
 def run(shape, seq_len, dtype, iterations, on_gpu, with_backward, with_block, ceilings):
-  operands, index, cotangents = _inputs(shape, seq_len, dtype)
+  operands, index, cotangents = self_target_inputs(shape, seq_len, dtype)
   itemsize = jnp.dtype(dtype).itemsize
   rows = {}
 
@@ -155,10 +142,10 @@ def run(shape, seq_len, dtype, iterations, on_gpu, with_backward, with_block, ce
 
 
 def main():
-  parser = sweep_parser(SEQ_LENS)
+  parser = attention_sweep_parser(SEQ_LENS, backward_seq_lens=(1024, 2048))
   parser.add_argument("--block-seq-lens", type=int, nargs="*", default=(1024,))
   args = parser.parse_args()
-  on_gpu, dtype, shape, ceilings = sweep_setup(args.small)
+  on_gpu, dtype, shape, ceilings = attention_sweep_setup(args.small)
   seq_lens = [32] if args.small else args.seq_lens
   payload = dict(**common.metadata(), dtype=jnp.dtype(dtype).name, shape=shape, ceilings=ceilings,
                  flops="4*U*H*S*S*D (causal: S*(S+1)/2 pairs) + 4*B*H*n_seed*S*D",

@@ -19,7 +19,6 @@ rows run the Mosaic GPU backward kernels, the other IKBO rows the Triton ones.
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import jax
@@ -27,20 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common
+from benchmarks.problems import attention_sweep_parser, attention_sweep_setup, cudnn
 from ikbo_jax import CandidateIndex, target_attention
 from ikbo_jax.kernels.mosaic_gpu import target_attention as mosaic_kernel
 from ikbo_jax.ops.target_attention import mosaic_gpu as target_attention_mosaic
 from ikbo_jax.ops.target_attention.params import Params
 from ikbo_jax.ops.target_attention.vjp import kernel_attention
 
-PUBLISHED = dict(num_candidates=2048, num_users=32, heads=2, head_dim=128, n_seed=64)
-SMALL = dict(num_candidates=16, num_users=4, heads=2, head_dim=16, n_seed=8)  # --small, any backend
 SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
 BASELINES = ("cudnn_prebroadcast", "broadcast_cudnn", "cudnn_packed_sorted", "xla_materialized")
-
-
-def cudnn(q, k, v, causal=False):
-  return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
 
 
 def _broadcast_cudnn(q, k, v, ids):
@@ -169,28 +163,10 @@ def run(seq_len, shape, dtype, iterations, on_gpu, with_backward, ceilings):
   return rows
 
 
-def sweep_parser(seq_lens) -> argparse.ArgumentParser:
-  """The command line shared by the attention sweeps."""
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--out", required=True)
-  parser.add_argument("--small", action="store_true", help="tiny shapes, any backend")
-  parser.add_argument("--iterations", type=int, default=20)
-  parser.add_argument("--seq-lens", type=int, nargs="*", default=seq_lens)
-  parser.add_argument("--backward-seq-lens", type=int, nargs="*",
-                      default=(512, 1024, 2048, 4096, 8192))
-  return parser
-
-
-def sweep_setup(small: bool):
-  """`(on_gpu, dtype, shape, ceilings)`: bf16 at the published shape on a GPU, else float32."""
-  on_gpu = jax.default_backend() == "gpu"
-  dtype = jnp.bfloat16 if on_gpu else jnp.float32
-  return on_gpu, dtype, SMALL if small else PUBLISHED, common.measure_ceilings()
-
-
 def main():
-  args = sweep_parser(SEQ_LENS).parse_args()
-  on_gpu, dtype, shape, ceilings = sweep_setup(args.small)
+  parser = attention_sweep_parser(SEQ_LENS, backward_seq_lens=(512, 1024, 2048, 4096, 8192))
+  args = parser.parse_args()
+  on_gpu, dtype, shape, ceilings = attention_sweep_setup(args.small)
   payload = dict(**common.metadata(), dtype=jnp.dtype(dtype).name, shape=shape, ceilings=ceilings,
                  flops_per_forward="4*B*H*n_seed*S*D", fwd_bwd_flops="3.5x forward",
                  bwd_flops="2.5x forward",

@@ -117,3 +117,16 @@ def test_the_rule_sees_an_upward_import(tmp_path, monkeypatch):
     test_every_import_goes_down_a_layer()
   with pytest.raises(pytest.fail.Exception, match="import circle"):
     test_no_circle_between_modules()
+
+
+def test_benchmark_scripts_share_only_the_shared_modules():
+  """A script imports `benchmarks.common`, `.problems` or `.shapes`, never another script."""
+  shared = {"benchmarks", "benchmarks.common", "benchmarks.problems", "benchmarks.shapes"}
+  crossing = []
+  for path in sorted((ROOT.parent / "benchmarks").glob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks"):
+        targets = ({f"{node.module}.{a.name}" for a in node.names} if node.module == "benchmarks"
+                   else {node.module})
+        crossing += [f"{path.name} -> {t}" for t in targets if t not in shared]
+  assert not crossing, crossing

@@ -1,0 +1,83 @@
+"""Inputs and baselines the benchmark scripts share (public here, so no script imports another's)."""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import common, shapes
+from ikbo_jax import CandidateIndex
+from ikbo_jax._padding import pad_to_multiple
+from ikbo_jax.models import RankerConfig, RankingBatch
+
+
+def linear_compression_problem(num_candidates, num_users, m, n, k_user, k_cand, dtype, seed=0):
+  """`([w_user, w_cand, e_user, e_cand], index)` with a random unsorted mapping."""
+  rng = np.random.default_rng(seed)
+  index = CandidateIndex.from_mapping(
+      jnp.asarray(rng.integers(0, num_users, num_candidates), jnp.int32), num_users)
+  keys = jax.random.split(jax.random.key(seed), 4)
+  sizes = [(m, k_user), (m, k_cand), (num_users, k_user, n), (num_candidates, k_cand, n)]
+  args = [jax.random.normal(k, s, jnp.float32).astype(dtype) * 0.05 for k, s in zip(keys, sizes)]
+  return args, index
+
+
+def pad_k(x):
+  """Pads the stacking (K) axis to a multiple of 8, as an aligned upstream layout would be."""
+  return pad_to_multiple(x, 1, 8)
+
+
+def self_target_inputs(shape, seq_len, dtype):
+  """`((q_user, q_cand, k, v), index, cotangents)`: uniform counts, shuffled mapping."""
+  u, b, h, d, t = (shape[key] for key in ("num_users", "num_candidates", "heads", "head_dim",
+                                          "n_seed"))
+  keys = jax.random.split(jax.random.key(seq_len), 6)
+  normal = lambda key, s: jax.random.normal(key, s, jnp.float32).astype(dtype)
+  q_user, k, v = (normal(key, (u, seq_len, h, d)) for key in keys[:3])
+  q_cand = normal(keys[3], (b, t, h, d))
+  ids = np.random.default_rng(seq_len).permutation(np.repeat(np.arange(u), b // u))
+  index = CandidateIndex.from_mapping(jnp.asarray(ids, jnp.int32), u)
+  cotangents = (jax.random.normal(keys[4], q_user.shape), jax.random.normal(keys[5], q_cand.shape))
+  return (q_user, q_cand, k, v), index, cotangents
+
+
+def ranking_batch(config: RankerConfig, num_users: int, num_candidates: int,
+                  seed: int = 0) -> RankingBatch:
+  """Users with histories of S/2..S items and candidates split evenly between them."""
+  rng = np.random.default_rng(seed)
+  s = config.max_history
+  return RankingBatch(
+      user_dense=rng.normal(size=(num_users, config.user_dense)).astype(np.float32),
+      history=rng.integers(0, config.num_items, (num_users, s), dtype=np.int32),
+      history_len=rng.integers(s // 2, s + 1, num_users, dtype=np.int32),
+      cand_to_user=np.sort(np.arange(num_candidates) % num_users).astype(np.int32),
+      cand_items=rng.integers(0, config.num_items, num_candidates, dtype=np.int32),
+      cand_dense=rng.normal(size=(num_candidates, config.cand_dense)).astype(np.float32),
+      labels=(rng.random(num_candidates) < 0.3).astype(np.float32))
+
+
+def cudnn(q, k, v, causal=False):
+  """cuDNN's fused attention through JAX: the strongest attention baseline."""
+  return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+
+def attention_sweep_parser(seq_lens, backward_seq_lens) -> argparse.ArgumentParser:
+  """The command line shared by the attention sweeps."""
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--small", action="store_true", help="tiny shapes, any backend")
+  parser.add_argument("--iterations", type=int, default=20)
+  parser.add_argument("--seq-lens", type=int, nargs="*", default=seq_lens)
+  parser.add_argument("--backward-seq-lens", type=int, nargs="*", default=backward_seq_lens)
+  return parser
+
+
+def attention_sweep_setup(small: bool):
+  """`(on_gpu, dtype, shape, ceilings)`: bf16 at the published shape on a GPU, else float32."""
+  on_gpu = jax.default_backend() == "gpu"
+  dtype = jnp.bfloat16 if on_gpu else jnp.float32
+  shape = shapes.ATTENTION_SMALL if small else shapes.ATTENTION
+  return on_gpu, dtype, shape, common.measure_ceilings()
