@@ -99,9 +99,10 @@ def resolve(backends: tuple[Backend, ...], implementation: str | None, dtype, *,
   return backend
 
 
-def supported(backends: tuple[Backend, ...], dtype, **facts) -> tuple[str, ...]:
-  """Names of the backends that run these inputs on the default device (not interpreted)."""
-  return tuple(b.name for b in backends if b.unsupported(dtype, False, **facts) is None)
+def supported(backends: tuple[Backend, ...], dtype, interpret: bool = False,
+              **facts) -> tuple[str, ...]:
+  """Names of the backends that run these inputs on the default device (or the interpreter)."""
+  return tuple(b.name for b in backends if b.unsupported(dtype, interpret, **facts) is None)
 
 
 def common_varying_axes(*args):

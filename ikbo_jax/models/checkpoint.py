@@ -26,22 +26,30 @@ def manager(directory: str | os.PathLike, max_to_keep: int = 3) -> ocp.Checkpoin
                                options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
 
 
-def save_args(model: nnx.Module):
-  """The orbax save argument of `model`'s parameters (the `PARAMS` item)."""
-  return ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(model)))
+def save_args(obj):
+  """The orbax save argument of an NNX object's state (a module's parameters, an optimizer)."""
+  return ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(obj)))
 
 
-def restore_args(model: nnx.Module):
-  """The orbax restore argument for `model`'s parameters: its shapes and dtypes."""
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(nnx.state(model)))
+def restore_args(obj):
+  """The orbax restore argument for an NNX object's state: its shapes and dtypes."""
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(nnx.state(obj)))
   return ocp.args.StandardRestore(abstract)
 
 
-def update(model: nnx.Module, restored) -> None:
-  """Puts restored parameters (a pure dict) into `model`."""
-  state = nnx.state(model)
+def update(obj, restored) -> None:
+  """Puts a restored state (a pure dict) into the NNX object it was saved from."""
+  state = nnx.state(obj)
   nnx.replace_by_pure_dict(state, restored)
-  nnx.update(model, state)
+  nnx.update(obj, state)
+
+
+def step_to_restore(checkpoints: ocp.CheckpointManager, step: int | None, directory) -> int:
+  """`step`, or the latest step under `directory`; a FileNotFoundError when there is none."""
+  step = checkpoints.latest_step() if step is None else step
+  if step is None:
+    raise FileNotFoundError(f"no checkpoint under {directory}")
+  return step
 
 
 def load_ranker(config: RankerConfig, directory: str | os.PathLike,
@@ -49,9 +57,7 @@ def load_ranker(config: RankerConfig, directory: str | os.PathLike,
   """The `Ranker` of the latest (or `step`'s) checkpoint under `directory`; parameters only."""
   model = Ranker(config, rngs=nnx.Rngs(0))
   with manager(directory) as checkpoints:
-    step = checkpoints.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no checkpoint under {directory}")
+    step = step_to_restore(checkpoints, step, directory)
     restored = checkpoints.restore(step, args=ocp.args.Composite(
         **{PARAMS: restore_args(model)}))
   update(model, restored[PARAMS])

@@ -94,12 +94,10 @@ def _normal(key, shape, dtype, scale=1.0):
   return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
 
 
-def _interpreted(impl: str, interpret: bool) -> dict:
+def _interpreted(impl: str, interpret: bool, backends) -> dict:
   """The `interpret=` keyword for a kernel implementation run under the interpreter."""
-  return {"interpret": True} if interpret and impl in _KERNELS else {}
-
-
-_KERNELS = ("triton", "mosaic_gpu")
+  kernels = {b.name for b in backends if b.is_kernel}
+  return {"interpret": True} if interpret and impl in kernels else {}
 
 
 def _lce_problem(case: LinearCompressionCase, interpret: bool) -> Problem:
@@ -115,7 +113,7 @@ def _lce_problem(case: LinearCompressionCase, interpret: bool) -> Problem:
 
   def run(impl):
     return lambda *a: lce_op.linear_compression(*a, index, implementation=impl,
-                                                **_interpreted(impl, interpret))
+                                                **_interpreted(impl, interpret, lce_op.BACKENDS))
 
   def reference(precision):
     return lambda *a: references.linear_compression(*a, index.cand_to_user, precision=precision)
@@ -143,7 +141,7 @@ def _attention_problem(case: AttentionCase, interpret: bool) -> Problem:
                                            index, kv_len)
       return lambda *a: target_op.target_attention(
           *a, index, kv_len=kv_len, return_lse=True, implementation=impl,
-          **_interpreted(impl, interpret))
+          **_interpreted(impl, interpret, target_op.BACKENDS))
 
     def reference(precision):
       return lambda *a: references.target_attention(
@@ -158,7 +156,7 @@ def _attention_problem(case: AttentionCase, interpret: bool) -> Problem:
   def run(impl):
     return lambda *a: self_target_op.self_target_attention(
         *a, index, kv_len=kv_len, causal=case.causal, implementation=impl,
-        **_interpreted(impl, interpret))
+        **_interpreted(impl, interpret, self_target_op.BACKENDS))
 
   def reference(precision):
     return lambda *a: references.self_target_attention(
@@ -225,10 +223,7 @@ def run_case(case, implementations: tuple[str, ...] | None = None,
   """
   build = _lce_problem if case.op == "linear_compression" else _attention_problem
   problem = build(case, interpret)
-  supported = _dispatch.supported(problem.backends, case.dtype, **problem.facts)
-  if interpret:
-    supported = tuple(b.name for b in problem.backends
-                      if b.unsupported(case.dtype, True, **problem.facts) is None)
+  supported = _dispatch.supported(problem.backends, case.dtype, interpret, **problem.facts)
   supported += tuple(name for name, base in _EXTRA_PATHS.get(case.op, {}).items()
                      if base in supported)
   chosen = supported if implementations is None else tuple(

@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -186,7 +185,7 @@ class Trainer:
     with checkpoint.manager(directory) as manager:
       manager.save(self.step_count, args=ocp.args.Composite(
           **{checkpoint.PARAMS: checkpoint.save_args(self.model)},
-          optimizer=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(self.optimizer))),
+          optimizer=checkpoint.save_args(self.optimizer),
           meta=ocp.args.JsonSave(dict(cursor=self.cursor, step=self.step_count,
                                       build=str(self.train_config.build)))))
       manager.wait_until_finished()
@@ -194,17 +193,12 @@ class Trainer:
   def restore(self, directory: str | os.PathLike, step: int | None = None) -> int:
     """Restores the latest (or `step`'s) checkpoint; returns its step."""
     with checkpoint.manager(directory) as manager:
-      step = manager.latest_step() if step is None else step
-      if step is None:
-        raise FileNotFoundError(f"no checkpoint under {directory}")
-      optimizer_state = nnx.state(self.optimizer)
-      abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(optimizer_state))
+      step = checkpoint.step_to_restore(manager, step, directory)
       restored = manager.restore(step, args=ocp.args.Composite(
           **{checkpoint.PARAMS: checkpoint.restore_args(self.model)},
-          optimizer=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+          optimizer=checkpoint.restore_args(self.optimizer), meta=ocp.args.JsonRestore()))
     checkpoint.update(self.model, restored[checkpoint.PARAMS])
-    nnx.replace_by_pure_dict(optimizer_state, restored["optimizer"])
-    nnx.update(self.optimizer, optimizer_state)
+    checkpoint.update(self.optimizer, restored["optimizer"])
     self.cursor, self.step_count = restored["meta"]["cursor"], restored["meta"]["step"]
     return step
 

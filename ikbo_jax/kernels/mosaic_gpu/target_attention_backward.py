@@ -59,9 +59,11 @@ class Config:
       raise ValueError(f"stages must be >= 1, got {self.stages}")
 
 
-def _gemm(acc_shape, a, b, interpret: bool):
-  """`a @ b` of two shared-memory operands (`b` may be a transposed view), as a WGMMA."""
-  del interpret  # the interpreter runs shared-memory WGMMAs
+def _gemm(acc_shape, a, b):
+  """`a @ b` of two shared-memory operands (`b` may be a transposed view), as a WGMMA.
+
+  The interpreter runs shared-memory WGMMAs too, so this is the same everywhere.
+  """
 
   def run(acc_ref):
     plgpu.wgmma(acc_ref, a, b)
@@ -141,12 +143,12 @@ def _dq_kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_r
     def step(i, dq, masked: bool):
       slot = lax.rem(i, stages)
       plgpu.barrier_wait(k_ready.at[slot])
-      s = _gemm(tile_shape, q_smem.at[wg], k_smem.at[slot].T, interpret)
+      s = _gemm(tile_shape, q_smem.at[wg], k_smem.at[slot].T)
       p = jnp.exp2(s * (scale * LOG2E) - lax.broadcast_in_dim(lse2, tile_shape, [0]))
       if masked:
         p = jnp.where(_iota(tile_shape, 1) + i * block_kv < kv_len, p, 0.0)
       plgpu.barrier_wait(v_ready.at[slot])
-      dp = _gemm(tile_shape, do_smem.at[wg], v_smem.at[slot].T, interpret)
+      dp = _gemm(tile_shape, do_smem.at[wg], v_smem.at[slot].T)
       ds = p * (dp - lax.broadcast_in_dim(delta, tile_shape, [0]))
       dq = _accumulate(dq, ds.astype(k_smem.dtype), k_smem.at[slot], interpret)
       plgpu.barrier_arrive(kv_consumed.at[slot])
@@ -218,14 +220,14 @@ def _dkv_kernel(user_tile_start_ref, kv_len_ref, cands_ref, num_valid_ref, piece
       slot = lax.rem(i, stages)
       tile, block = tile_and_block(i)
       plgpu.barrier_wait(rows_ready.at[slot])
-      s_t = _gemm(tile_shape, k_own.at[wg], q_smem.at[slot].T, interpret)
+      s_t = _gemm(tile_shape, k_own.at[wg], q_smem.at[slot].T)
       lse2 = _row_vector(lse_smem.at[slot], 1)
       p_t = jnp.exp2(s_t * (scale * LOG2E) - lax.broadcast_in_dim(lse2, tile_shape, [1]))
       # Slots past num_valid repeat a real candidate: they must not add to the sums.
       live = _iota(tile_shape, 1) < num_valid_ref[tile, block] * slot_rows
       p_t = jnp.where(live, p_t, 0.0)
       dv = _accumulate(dv, p_t.astype(v_own.dtype), do_smem.at[slot], interpret)
-      dp_t = _gemm(tile_shape, v_own.at[wg], do_smem.at[slot].T, interpret)
+      dp_t = _gemm(tile_shape, v_own.at[wg], do_smem.at[slot].T)
       delta = _row_vector(delta_smem.at[slot], 1)
       ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, tile_shape, [1]))
       dk = _accumulate(dk, ds_t.astype(k_own.dtype), q_smem.at[slot], interpret)

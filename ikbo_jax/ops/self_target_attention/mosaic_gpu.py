@@ -15,7 +15,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ikbo_jax import _dispatch
 from ikbo_jax.ops.self_target_attention import xla
 from ikbo_jax.ops.target_attention import mosaic_gpu as target_mosaic
 from ikbo_jax.ops.target_attention.params import Params as TargetParams
