@@ -108,16 +108,15 @@ def _dkv_kernel(user_offsets_ref, sort_order_ref, kv_len_ref, q_ref, k_ref, v_re
   plt.store(dv_ref.at[keys], dv.astype(dv_ref.dtype), mask=in_seq[:, None])
 
 
-def target_attention_backward(q, k, v, out, lse, d_out, d_lse, cand_to_user, user_offsets,
+def target_attention_backward(q, k, v, lse, delta, d_out, cand_to_user, user_offsets,
                               sort_order, kv_len, *, scale: float, config: Config = Config(),
                               interpret: bool = False):
   """`(dq, dk, dv)` of target attention.
 
   Args:
-    q: `[B, T, H, D]`; `k`, `v`: `[U, S, H, D]`; `out`, `d_out`: `[B, T, H, D]`.
+    q: `[B, T, H, D]`; `k`, `v`: `[U, S, H, D]`; `d_out`: `[B, T, H, D]`.
     lse: `[B, T, H]` float32, the forward's log-sum-exp (`-inf` where `kv_len == 0`).
-    d_lse: None or the cotangent of `lse`; since `d lse / d logits = p`, it
-      enters as `delta - d_lse`.
+    delta: `[B, T, H]` float32, `rowsum(out * d_out) - d_lse`.
     cand_to_user: `int32[B]` in `[0, U)`.
     user_offsets: `int32[U + 1]`, user `u`'s candidates are
       `sort_order[user_offsets[u]:user_offsets[u + 1]]` (they drive the dk/dv loop).
@@ -129,9 +128,6 @@ def target_attention_backward(q, k, v, out, lse, d_out, d_lse, cand_to_user, use
   """
   num_cands, num_t, num_heads, _ = q.shape
   num_users, seq_len = k.shape[:2]
-  delta = jnp.einsum("bthd,bthd->bth", out.astype(_F32), d_out.astype(_F32))
-  if d_lse is not None:
-    delta = delta - d_lse.astype(_F32)
   d_out = d_out.astype(q.dtype)
   params = plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
   dq = pl.pallas_call(

@@ -6,7 +6,6 @@ Shapes: `q_user, k, v [U, S, H, D]`, `q_cand [B, T, H, D]`, `cand_to_user int32[
 
 from __future__ import annotations
 
-
 from ikbo_jax.ops.target_attention import xla as target_xla
 
 

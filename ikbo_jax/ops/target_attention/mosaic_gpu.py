@@ -24,7 +24,7 @@ from ikbo_jax.kernels.mosaic_gpu import target_attention as kernel
 from ikbo_jax.kernels.mosaic_gpu import target_attention_backward as backward_kernel
 from ikbo_jax.ops.target_attention import triton, xla
 from ikbo_jax.ops.target_attention.params import Params
-from ikbo_jax.ops.target_attention.vjp import KernelBackend
+from ikbo_jax.ops.target_attention.vjp import KernelBackend, output_cotangent_dot
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 
@@ -113,10 +113,8 @@ def hopper_backward(params: Params, q, k, v, out, lse, index, kv_len, d_out, d_l
   num_queries, seq_len = q.shape[1], k.shape[1]
   if params.masked:
     k, v = xla.zero_past_length(k, kv_len), xla.zero_past_length(v, kv_len)
+  delta = jnp.transpose(output_cotangent_dot(out, d_out, d_lse), (0, 2, 1))
   d_out = d_out.astype(q.dtype)
-  delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), d_out.astype(jnp.float32))
-  if d_lse is not None:
-    delta = delta - jnp.transpose(d_lse.astype(jnp.float32), (0, 2, 1))
   lse2 = jnp.transpose(lse, (0, 2, 1)) * backward_kernel.LOG2E
   packed_queries = query_tiles.packed_num_queries(num_queries, kernel.BLOCK_ROWS)
   pad_rows = lambda x, value=0.0: jnp.pad(

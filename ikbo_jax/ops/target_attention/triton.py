@@ -17,7 +17,7 @@ from ikbo_jax._padding import pad_to, round_up
 from ikbo_jax.kernels.triton import target_attention as kernel
 from ikbo_jax.kernels.triton import target_attention_backward as backward_kernel
 from ikbo_jax.ops.target_attention.params import Params
-from ikbo_jax.ops.target_attention.vjp import KernelBackend
+from ikbo_jax.ops.target_attention.vjp import KernelBackend, output_cotangent_dot
 
 
 def _head_dim_limit(head_dim: int) -> str | None:
@@ -39,7 +39,8 @@ def backward(params: Params, q, k, v, out, lse, index, kv_len, d_out, d_lse,
   seq_len = k.shape[1]
   padded_len = round_up(seq_len, config.block_s)
   dq, dk, dv = backward_kernel.target_attention_backward(
-      q, pad_to(k, 1, padded_len), pad_to(v, 1, padded_len), out, lse, d_out, d_lse,
+      q, pad_to(k, 1, padded_len), pad_to(v, 1, padded_len), lse,
+      output_cotangent_dot(out, d_out, d_lse), d_out,
       index.clamped_cand_to_user, index.user_offsets, index.sort_order, kv_len,
       scale=params.scale, config=config, interpret=params.interpret)
   return dq, dk[:, :seq_len], dv[:, :seq_len]

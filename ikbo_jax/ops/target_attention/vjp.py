@@ -19,6 +19,7 @@ import functools
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from ikbo_jax import _dispatch
 from ikbo_jax.ops.target_attention.params import Params
@@ -33,6 +34,16 @@ class KernelBackend:
   @property
   def name(self) -> str:
     return self.support.name
+
+
+def output_cotangent_dot(out, d_out, d_lse):
+  """`delta = rowsum(out * d_out) - d_lse`, float32 `[B, T, H]`: what every backward subtracts.
+
+  `d lse / d logits = p`, so the lse's cotangent enters the softmax backward
+  as a shift of `delta` (None: no lse cotangent).
+  """
+  delta = jnp.einsum("bthd,bthd->bth", out.astype(jnp.float32), d_out.astype(jnp.float32))
+  return delta if d_lse is None else delta - d_lse.astype(jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
