@@ -6,8 +6,9 @@ and take `delta = rowsum(out * d_out) - d_lse` from the caller, as in
 FlashAttention-2; every GEMM is a WGMMA with a float32 accumulator.
 
 - dq: one CTA per (packed query tile, head) of the forward (`query_tiles`).
-  Each consumer warpgroup copies its 64 query rows, their output cotangents,
-  lse and delta in by candidate index; a producer streams the user's K/V
+  Each consumer warpgroup copies its 64 query rows and their output
+  cotangents in by candidate index, and their lse and delta (gathered into
+  the tiles' row order beforehand); a producer streams the user's K/V
   blocks through shared memory with TMA; per block the consumer computes
   `s = Q K^T`, `dp = dO V^T`, `ds = p * (dp - delta)` and `dq += ds K`, and
   stores `scale * dq` back by candidate index.
@@ -98,21 +99,23 @@ def _await_last_releases(consumed, num_steps, stages: int):
         lambda back=back: plgpu.barrier_wait(consumed.at[lax.rem(num_steps - back, stages)]))
 
 
-def _copy_rows_in(tiles_refs, tile, block, head, srcs_dsts, barrier, slot_rows: int):
-  """Copies the query rows of block `block` of tile `tile`, slot by slot, into shared memory.
+def _copy_rows_in(tiles_refs, tile, block, head, rows, vectors, barrier, slot_rows: int):
+  """Copies block `block` of tile `tile` into shared memory; every copy arrives on `barrier`.
 
-  `srcs_dsts` pairs each `[B, T, H, D]` or `[B, H, T]` source with its
-  shared-memory block; every copy arrives on `barrier`.
+  `rows` pairs each `[B, T, H, D]` source with its shared-memory block, copied
+  slot by slot from the slots' candidates; `vectors` pairs each
+  `[num_tiles, H, blocks_per_tile, 64]` source (already in the tiles' row
+  order) with its `[64]` buffer, copied whole.
   """
   cands_ref, piece_ref = tiles_refs
   row_start = piece_ref[tile, block] * BLOCK_ROWS
   for j in range(cands_ref.shape[-1]):
     cand = cands_ref[tile, block, j]
-    rows = pl.ds(row_start, slot_rows)
-    slot = pl.ds(j * slot_rows, slot_rows)
-    for src, dst in srcs_dsts:
-      at = (cand, head, rows) if len(src.shape) == 3 else (cand, rows, head)
-      plgpu.copy_gmem_to_smem(src.at[at], dst.at[slot], barrier)
+    for src, dst in rows:
+      plgpu.copy_gmem_to_smem(src.at[cand, pl.ds(row_start, slot_rows), head],
+                              dst.at[pl.ds(j * slot_rows, slot_rows)], barrier)
+  for src, dst in vectors:
+    plgpu.copy_gmem_to_smem(src.at[tile, head, block], dst, barrier)
 
 
 def _dq_kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref, q_ref, k_ref,
@@ -131,8 +134,8 @@ def _dq_kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_r
   def _consumer():
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
     _copy_rows_in((cands_ref, piece_ref), tile, wg, head,
-                  ((q_ref, q_smem.at[wg]), (d_out_ref, do_smem.at[wg]),
-                   (lse2_ref, lse_smem.at[wg]), (delta_ref, delta_smem.at[wg])),
+                  ((q_ref, q_smem.at[wg]), (d_out_ref, do_smem.at[wg])),
+                  ((lse2_ref, lse_smem.at[wg]), (delta_ref, delta_smem.at[wg])),
                   rows_ready.at[wg], slot_rows)
     plgpu.barrier_wait(rows_ready.at[wg])
     lse2 = _row_vector(lse_smem.at[wg], 0)
@@ -254,11 +257,20 @@ def _dkv_kernel(user_tile_start_ref, kv_len_ref, cands_ref, num_valid_ref, piece
       tile, block = tile_and_block(i)
       pl.when(i >= stages)(lambda: plgpu.barrier_wait(rows_consumed.at[slot]))
       _copy_rows_in((cands_ref, piece_ref), tile, block, head,
-                    ((q_ref, q_smem.at[slot]), (d_out_ref, do_smem.at[slot]),
-                     (lse2_ref, lse_smem.at[slot]), (delta_ref, delta_smem.at[slot])),
+                    ((q_ref, q_smem.at[slot]), (d_out_ref, do_smem.at[slot])),
+                    ((lse2_ref, lse_smem.at[slot]), (delta_ref, delta_smem.at[slot])),
                     rows_ready.at[slot], slot_rows)
 
     _await_last_releases(rows_consumed, num_blocks, stages)
+
+
+def _in_tile_order(x, tiles: QueryTiles):
+  """`[B, H, T]` rows gathered as the tiles' blocks hold them: `[num_tiles, H, blocks_per_tile, 64]`."""
+  slot_rows = tiles.slot_rows
+  rows = tiles.piece[:, :, None, None] * BLOCK_ROWS + jnp.arange(slot_rows)
+  gathered = x[tiles.cands[..., None], :, rows]  # [num_tiles, blocks, cands_per_block, rows, H]
+  num_tiles, blocks = tiles.cands.shape[:2]
+  return jnp.transpose(gathered.reshape(num_tiles, blocks, BLOCK_ROWS, -1), (0, 3, 1, 2))
 
 
 def backward(q, k, v, d_out, lse2, delta, tiles: QueryTiles, tile_kv_len, kv_len, *,
@@ -288,7 +300,11 @@ def backward(q, k, v, d_out, lse2, delta, tiles: QueryTiles, tile_kv_len, kv_len
   transforms = smem_transforms(head_dim, dtype)
   rows = lambda *lead: plgpu.SMEM((*lead, BLOCK_ROWS, head_dim), dtype, transforms=transforms)
   vector = lambda *lead: plgpu.SMEM((*lead, BLOCK_ROWS), _F32)
-  copies = 4 * tiles.cands_per_block  # q, d_out, lse and delta, slot by slot
+  copies = 2 * tiles.cands_per_block + 2  # q and d_out slot by slot, lse and delta whole
+  # A TMA copy into shared memory must start 128-byte aligned, and a slot's
+  # lse (T' float32s) may not: the vectors are gathered into the tiles' row
+  # order here (B * T * H floats), so that a block takes each in one copy.
+  lse2, delta = (_in_tile_order(x, tiles) for x in (lse2, delta))
   common = dict(num_threads=NUM_CONSUMERS + 1, thread_name="wg",
                 compiler_params=plgpu.CompilerParams(approx_math=True),
                 interpret=interpret_params(interpret))
