@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 # Consumer warpgroups per CTA; a producer warpgroup streams their operands.
@@ -34,3 +35,13 @@ def compiler_params() -> plgpu.CompilerParams:
 
 def interpret_params(interpret: bool):
   return plgpu.InterpretGPUParams() if interpret else None
+
+
+def pipeline_result(eval_pipeline, shape: tuple[int, int]):
+  """Runs a K pipeline (`eval_pipeline(acc_ref)`) into a float32 WGMMA accumulator; its value."""
+
+  def run(acc_ref):
+    eval_pipeline(acc_ref)
+    return acc_ref[...]
+
+  return pl.run_scoped(run, acc_ref=plgpu.ACC(shape, jnp.float32))

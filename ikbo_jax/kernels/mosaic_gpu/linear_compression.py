@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal, NamedTuple
+from typing import Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +56,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ikbo_jax._padding import round_up
 from ikbo_jax.kernels.mosaic_gpu.common import (
     NUM_CONSUMERS, PRODUCER_REGISTERS, compiler_params, interpret_params,
-    num_sms, smem_transforms)
+    num_sms, pipeline_result, smem_transforms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,122 +116,168 @@ def _k_pipeline(config: Config, k: int, max_concurrent_steps: int, dtype):
   return build
 
 
-def _body(cand_to_user_gmem, a_gmem, e_gmem, user_res_gmem, out_gmem, user: _UserGemm | None,
-          *, config: Config):
-  num_cands, k, n = e_gmem.shape
-  m = out_gmem.shape[1]
-  out_dtype = out_gmem.dtype
-  tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
-  cta_tile_m, cta_tile_n, epi_tile_n = config.cta_tile_m, config.cta_tile_n, config.epi_tile_n
-  m_iters, n_iters = pl.cdiv(m, cta_tile_m), pl.cdiv(n, cta_tile_n)
-  num_users = 0 if user is None else user.e.shape[0]
-  # Both pipelines share one set of shared-memory slots, so they need the same depth.
-  user_k = k if user is None else user.e.shape[1]
-  depth = min(config.max_concurrent_steps, pl.cdiv(k, tile_k), pl.cdiv(user_k, tile_k))
-  cand_pipeline = _k_pipeline(config, k, depth, e_gmem.dtype)
-  user_pipeline = _k_pipeline(config, user_k, depth, e_gmem.dtype)
-  ignore = lambda *_, **__: None
+class _TileAt(NamedTuple):
+  """Where one output tile lies: its CTA tile indices and this consumer's slices of it."""
 
-  def mma_step(_, a_smem, e_smem, acc_ref, *, wg_m, wg_n):
-    plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg_m, tile_m)], e_smem.at[:, pl.ds(wg_n, tile_n)])
+  mi: jax.Array
+  ni: jax.Array
+  first_cand_tile: jax.Array  # the CTA's first candidate tile (it waits for the user tiles)
+  wg_m_slice: pl.Slice
+  wg_n_slice: pl.Slice
+
+
+@dataclasses.dataclass(frozen=True)
+class _OutputTiles:
+  """The persistent loop's work items, `(item, m, n)` output tiles, user items first.
+
+  `wg_m`, `wg_n` are consumer `wg`'s offsets inside the CTA tile.
+  """
+
+  cand_to_user_gmem: jax.Array
+  a_gmem: jax.Array
+  e_gmem: jax.Array
+  user_res_gmem: jax.Array | None
+  out_gmem: jax.Array
+  user: _UserGemm | None
+  config: Config
+  cand_pipeline: Callable
+  user_pipeline: Callable
+  pipeline_allocs: object
+  out_smem: jax.Array
+  wg: jax.Array  # this consumer warpgroup
+  wg_m: jax.Array | int
+  wg_n: jax.Array | int
+
+  @property
+  def num_users(self) -> int:
+    return 0 if self.user is None else self.user.e.shape[0]
+
+  @property
+  def iters(self) -> tuple[int, int]:
+    m, n = self.out_gmem.shape[1], self.e_gmem.shape[2]
+    return pl.cdiv(m, self.config.cta_tile_m), pl.cdiv(n, self.config.cta_tile_n)
+
+  def mma(self, _, a_smem, e_smem, acc_ref):
+    config = self.config
+    plgpu.wgmma(acc_ref, a_smem.at[pl.ds(self.wg_m, config.tile_m)],
+                e_smem.at[:, pl.ds(self.wg_n, config.tile_n)])
     plgpu.wgmma_wait(0)
     return acc_ref
 
-  def accumulate(eval_pipeline):
-    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-    def acc(acc_ref):
-      eval_pipeline(acc_ref)
-      return acc_ref[...]
-    return acc
+  def run(self, loop_info: plgpu.NDLoopInfo):
+    """One output tile, by the kind of its item."""
+    config, num_users = self.config, self.num_users
+    m_iters, n_iters = self.iters
+    item, mi, ni = loop_info.index
+    # The CTA's first candidate tile: its step before was a user tile or none.
+    # That tile waits (one polling thread, an acquire fence, a warpgroup
+    # barrier) until every user tile is stored; later tiles need no wait.
+    step = (item * m_iters + mi) * n_iters + ni
+    num_user_steps = num_users * m_iters * n_iters
+    first_cand_tile = (step >= num_user_steps) & (step - lax.axis_size("sm") < num_user_steps)
+    at = _TileAt(mi, ni, first_cand_tile, pl.ds(mi * config.cta_tile_m + self.wg_m, config.tile_m),
+                 pl.ds(ni * config.cta_tile_n + self.wg_n, config.tile_n))
+    if self.user is None:
+      self.cand_tile(item, at)
+    else:
+      pl.when(item < num_users)(lambda: self.user_tile(item, at))
+      pl.when(item >= num_users)(lambda: self.cand_tile(item - num_users, at))
 
-  @functools.partial(
-      pl.run_scoped,
+  def user_tile(self, u, at: _TileAt):
+    """`user_res[u] = W_user @ E_user[u]`, stored in float32; then one signal."""
+    config, user = self.config, self.user
+
+    def compute_context(eval_pipeline):
+      acc = pipeline_result(eval_pipeline, (config.tile_m, config.tile_n))
+      self.user_res_gmem[u, at.wg_m_slice, at.wg_n_slice] = acc
+      plgpu.semaphore_signal(user.tiles_done, 1, memory_scope="gpu")
+
+    self.user_pipeline(self.mma, compute_context)(
+        user.a.at[pl.ds(at.mi * config.cta_tile_m, config.cta_tile_m), :],
+        user.e.at[u, :, pl.ds(at.ni * config.cta_tile_n, config.cta_tile_n)],
+        allocations=self.pipeline_allocs)
+
+  def cand_tile(self, b, at: _TileAt):
+    """`out[b] = A @ E[b] (+ user_res[cand_to_user[b]])`, stored through shared memory."""
+    config = self.config
+    self.cand_pipeline(self.mma, functools.partial(self.cand_epilogue, b, at))(
+        self.a_gmem.at[pl.ds(at.mi * config.cta_tile_m, config.cta_tile_m), :],
+        self.e_gmem.at[b, :, pl.ds(at.ni * config.cta_tile_n, config.cta_tile_n)],
+        allocations=self.pipeline_allocs)
+
+  def cand_epilogue(self, b, at: _TileAt, eval_pipeline):
+    config, wg = self.config, self.wg
+    epi_tile_n, num_epi = config.epi_tile_n, config.tile_n // config.epi_tile_n
+    user_tile_ref = None
+    if self.user_res_gmem is not None:
+      u = self.cand_to_user_gmem[b]
+      if self.user is not None:
+        m_iters, n_iters = self.iters
+        num_user_signals = self.num_users * m_iters * n_iters * NUM_CONSUMERS
+        pl.when(at.first_cand_tile)(lambda: plgpu.semaphore_wait(
+            self.user.tiles_done, num_user_signals, decrement=False, memory_scope="gpu"))
+      user_tile_ref = self.user_res_gmem.at[u, at.wg_m_slice, at.wg_n_slice]
+
+    def load_user_chunk(epi):
+      if user_tile_ref is None or epi == num_epi:
+        return None
+      return plgpu.load(user_tile_ref.at[:, pl.ds(epi * epi_tile_n, epi_tile_n)],
+                        layout=plgpu.Layout.WGMMA, optimized=False)
+
+    # Software-pipelined user loads: chunk 0 is in flight during the K loop
+    # and each later chunk during the store of the one before, so the
+    # epilogue does not wait on global memory latency.
+    next_user_chunk = load_user_chunk(0)
+    acc = pipeline_result(eval_pipeline, (config.tile_m, config.tile_n))
+    for epi in range(num_epi):
+      slot = epi % 2
+      out_tile = acc[:, epi * epi_tile_n:(epi + 1) * epi_tile_n]
+      if user_tile_ref is not None:
+        user_chunk, next_user_chunk = next_user_chunk, load_user_chunk(epi + 1)
+        out_tile += user_chunk
+      # The slot's previous TMA store must have read it before we overwrite.
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      self.out_smem[wg, slot] = out_tile.astype(self.out_gmem.dtype)
+      plgpu.commit_smem()
+      self.out_gmem_store(self.out_smem.at[wg, slot], b, at, epi)
+
+  def out_gmem_store(self, src, b, at: _TileAt, epi: int):
+    config = self.config
+    col = at.ni * config.cta_tile_n + self.wg_n + epi * config.epi_tile_n
+    plgpu.copy_smem_to_gmem(src, self.out_gmem.at[b, at.wg_m_slice,
+                                                  pl.ds(col, config.epi_tile_n)])
+
+
+def _body(cand_to_user_gmem, a_gmem, e_gmem, user_res_gmem, out_gmem, user: _UserGemm | None,
+          *, config: Config):
+  k = e_gmem.shape[1]
+  # Both pipelines share one set of shared-memory slots, so they need the same depth.
+  user_k = k if user is None else user.e.shape[1]
+  depth = min(config.max_concurrent_steps, pl.cdiv(k, config.tile_k),
+              pl.cdiv(user_k, config.tile_k))
+  cand_pipeline = _k_pipeline(config, k, depth, e_gmem.dtype)
+  user_pipeline = _k_pipeline(config, user_k, depth, e_gmem.dtype)
+  ignore = lambda *_, **__: None
+  epi_tile_n, out_dtype = config.epi_tile_n, out_gmem.dtype
+
+  def scope(pipeline_allocs, out_smem):
+    wg = lax.axis_index("wg")
+    wg_m, wg_n = (wg * config.tile_m, 0) if config.split == "m" else (0, wg * config.tile_n)
+    tiles = _OutputTiles(cand_to_user_gmem, a_gmem, e_gmem, user_res_gmem, out_gmem, user,
+                         config, cand_pipeline, user_pipeline, pipeline_allocs, out_smem, wg,
+                         wg_m, wg_n)
+    m_iters, n_iters = tiles.iters
+    plgpu.nd_loop((tiles.num_users + e_gmem.shape[0], m_iters, n_iters),
+                  collective_axes="sm")(tiles.run)
+
+  pl.run_scoped(
+      scope,
       pipeline_allocs=cand_pipeline(ignore, ignore).get_allocations(a_gmem, e_gmem.at[0]),
       # Row tiling of 1: a tiling of 8 rows would require M % 8 == 0 in `out`.
-      out_smem=plgpu.SMEM((NUM_CONSUMERS, 2, tile_m, epi_tile_n), out_dtype,
+      out_smem=plgpu.SMEM((NUM_CONSUMERS, 2, config.tile_m, epi_tile_n), out_dtype,
                           transforms=smem_transforms(epi_tile_n, out_dtype, rows=1)),
       collective_axes="wg",
   )
-  def _scope(pipeline_allocs, out_smem):
-    wg = lax.axis_index("wg")
-    # This consumer's offsets inside the CTA tile.
-    wg_m, wg_n = (wg * tile_m, 0) if config.split == "m" else (0, wg * tile_n)
-    mma = functools.partial(mma_step, wg_m=wg_m, wg_n=wg_n)
-
-    # Every consumer of every user tile signals once.
-    num_user_signals = num_users * m_iters * n_iters * NUM_CONSUMERS
-    num_user_steps = num_users * m_iters * n_iters
-
-    def tile(loop_info: plgpu.NDLoopInfo):
-      item, mi, ni = loop_info.index
-      # The CTA's first candidate tile: its step before was a user tile or none.
-      # That tile waits (one polling thread, an acquire fence, a warpgroup
-      # barrier) until every user tile is stored; later tiles need no wait.
-      step = (item * m_iters + mi) * n_iters + ni
-      first_cand_tile = (step >= num_user_steps) & (step - lax.axis_size("sm") < num_user_steps)
-      wg_m_slice = pl.ds(mi * cta_tile_m + wg_m, tile_m)
-      wg_n_slice = pl.ds(ni * cta_tile_n + wg_n, tile_n)
-
-      def user_tile(u):
-        def compute_context(eval_pipeline):
-          user_res_gmem[u, wg_m_slice, wg_n_slice] = accumulate(eval_pipeline)
-          plgpu.semaphore_signal(user.tiles_done, 1, memory_scope="gpu")
-
-        user_pipeline(mma, compute_context)(
-            user.a.at[pl.ds(mi * cta_tile_m, cta_tile_m), :],
-            user.e.at[u, :, pl.ds(ni * cta_tile_n, cta_tile_n)],
-            allocations=pipeline_allocs)
-
-      def cand_tile(b):
-        def compute_context(eval_pipeline):
-          num_epi = tile_n // epi_tile_n
-          user_tile_ref = None
-          if user_res_gmem is not None:
-            u = cand_to_user_gmem[b]
-            if user is not None:
-              pl.when(first_cand_tile)(lambda: plgpu.semaphore_wait(
-                  user.tiles_done, num_user_signals, decrement=False, memory_scope="gpu"))
-            user_tile_ref = user_res_gmem.at[u, wg_m_slice, wg_n_slice]
-
-          def load_user_chunk(epi):
-            if user_tile_ref is None or epi == num_epi:
-              return None
-            return plgpu.load(user_tile_ref.at[:, pl.ds(epi * epi_tile_n, epi_tile_n)],
-                              layout=plgpu.Layout.WGMMA, optimized=False)
-
-          # Software-pipelined user loads: chunk 0 is in flight during the K loop
-          # and each later chunk during the store of the one before, so the
-          # epilogue does not wait on global memory latency.
-          next_user_chunk = load_user_chunk(0)
-          acc = accumulate(eval_pipeline)
-          for epi in range(num_epi):
-            slot = epi % 2
-            out_tile = acc[:, epi * epi_tile_n:(epi + 1) * epi_tile_n]
-            if user_tile_ref is not None:
-              user_chunk, next_user_chunk = next_user_chunk, load_user_chunk(epi + 1)
-              out_tile += user_chunk
-            # The slot's previous TMA store must have read it before we overwrite.
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            out_smem[wg, slot] = out_tile.astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                out_smem.at[wg, slot],
-                out_gmem.at[b, wg_m_slice, pl.ds(ni * cta_tile_n + wg_n + epi * epi_tile_n,
-                                                epi_tile_n)])
-
-        cand_pipeline(mma, compute_context)(
-            a_gmem.at[pl.ds(mi * cta_tile_m, cta_tile_m), :],
-            e_gmem.at[b, :, pl.ds(ni * cta_tile_n, cta_tile_n)],
-            allocations=pipeline_allocs)
-
-      if user is None:
-        cand_tile(item)
-      else:
-        pl.when(item < num_users)(lambda: user_tile(item))
-        pl.when(item >= num_users)(lambda: cand_tile(item - num_users))
-
-    plgpu.nd_loop((num_users + num_cands, m_iters, n_iters), collective_axes="sm")(tile)
-
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 

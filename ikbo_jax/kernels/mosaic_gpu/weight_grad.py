@@ -35,7 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ikbo_jax._padding import round_up
 from ikbo_jax.kernels.mosaic_gpu.common import (
     NUM_CONSUMERS, PRODUCER_REGISTERS, compiler_params, interpret_params, num_sms,
-    smem_transforms)
+    pipeline_result, smem_transforms)
 
 _MAX_WGMMA_N = 256
 
@@ -110,11 +110,7 @@ def _kernel(e_gmem, d_out_gmem, partial_gmem, *, config: Config, cands_per_split
     wg = lax.axis_index("wg")
 
     def compute_context(eval_pipeline):
-      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-      def acc(acc_ref):
-        eval_pipeline(acc_ref)
-        return acc_ref[...]
-
+      acc = pipeline_result(eval_pipeline, (tile_m, tile_n))
       rows = pl.ds(mi * config.cta_tile_m + wg * tile_m, tile_m)
       for epi in range(tile_n // epi_tile_n):
         slot = epi % 2
