@@ -43,20 +43,6 @@ def _check(implementation, dtype, args, index, interpret):
   assert_within_reference_error(out, same_precision, _f32_reference(args, index))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("implementation", ["xla", "xla_materialized"])
-def test_xla_paths(implementation, dtype):
-  args, index = _problem(0, dtype)
-  _check(implementation, dtype, args, index, interpret=False)
-
-
-@pytest.mark.parametrize("implementation, dtype",
-                         [(i, d) for i, ds in KERNEL_DTYPES.items() for d in ds])
-def test_kernels_interpret(implementation, dtype):
-  args, index = _problem(1, dtype)
-  _check(implementation, dtype, args, index, interpret=True)
-
-
 @pytest.mark.parametrize("implementation", ["xla", "triton", "mosaic_gpu"])
 def test_single_user_odd_batch(implementation):
   args, index = _problem(2, jnp.bfloat16, num_users=1, num_candidates=5, empty_users=0)

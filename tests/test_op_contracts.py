@@ -2,11 +2,14 @@
 
 Each backend says which dtypes it runs, which device it needs and what inputs it
 limits (`ikbo_jax._dispatch.Backend`); these tests hold every declaration to
-what the op does: a declared dtype runs (kernels under the interpreter here,
-on a CPU) and gives finite outputs of the right shape, an undeclared one is
-refused with a `TypeError` naming the backend before anything runs, a kernel
-off its device asks for the interpreter, and `interpret=True` is refused by a
-backend that is not a kernel.
+what the op does: in every declared dtype the forward and every gradient are
+within the project's error rule of the float32 reference (kernels under the
+interpreter here, on a CPU), an undeclared dtype is refused with a `TypeError`
+naming the backend before anything runs, a kernel off its device asks for the
+interpreter, and `interpret=True` is refused by a backend that is not a kernel.
+Tests of one backend's own machinery (tiling, padding, lowering for the H200)
+stay beside the op, in `test_<op>*.py`; the randomized sweep draws many more
+cases (`test_sweep.py`, `test_gpu_sweep.py`).
 """
 
 import dataclasses
@@ -21,6 +24,8 @@ from ikbo_jax import _dispatch, linear_compression, self_target_attention, targe
 from ikbo_jax.ops import linear_compression as lce_op
 from ikbo_jax.ops import self_target_attention as self_target_op
 from ikbo_jax.ops import target_attention as target_op
+from ikbo_jax.testing import sweep
+from ikbo_jax.testing.cases import AttentionCase, LinearCompressionCase, Mapping
 from ikbo_jax.testing.problems import random_attention_args, random_index, random_lce_args
 
 
@@ -59,6 +64,29 @@ CASES = [pytest.param(op, backend, id=f"{op.name}-{backend.name}")
 
 def _kwargs(backend) -> dict:
   return dict(implementation=backend.name, interpret=backend.is_kernel)
+
+
+# The accuracy contract's cases: sizes off every kernel's blocks (M, N, K;
+# T = 7, S = 70), a user without candidates, unsorted ids, a full, a one-key
+# and an empty history.
+_MAPPING = Mapping(num_users=3, num_candidates=5, num_empty=1, sorted=False)
+_ATTENTION = AttentionCase(3, _MAPPING, n_seed=7, seq_len=70, heads=1, head_dim=64,
+                           kv_len=(70, 1, 0), dtype="float32")
+ACCURACY_CASES = {
+    "linear_compression": (LinearCompressionCase(3, _MAPPING, m=17, n=65, k_user=9, k_cand=24,
+                                                 dtype="float32"),),
+    "target_attention": (_ATTENTION,),
+    "self_target_attention": (dataclasses.replace(_ATTENTION, causal=True),
+                              dataclasses.replace(_ATTENTION, causal=False)),
+}
+
+
+@pytest.mark.parametrize("op, backend", CASES)
+def test_forward_and_every_gradient_within_the_error_rule(op, backend):
+  for dtype in backend.dtypes:
+    for case in ACCURACY_CASES[op.name]:
+      case = dataclasses.replace(case, dtype=jnp.dtype(dtype).name)
+      sweep.assert_passes(case, (backend.name,), interpret=backend.is_kernel)
 
 
 @pytest.mark.parametrize("op, backend", CASES)

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from ikbo_jax import rewrite
 from ikbo_jax.testing.rewrite_check import check_rewrite
 
 U, B, RATIO = 3, 9, 3

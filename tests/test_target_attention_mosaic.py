@@ -9,7 +9,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 from ikbo_jax import CandidateIndex, target_attention
 from ikbo_jax.testing import sweep
 from ikbo_jax.testing.problems import (
-    assert_within_reference_error, random_attention_args, random_index, rel_err)
+    assert_within_reference_error, random_attention_args, random_index)
 
 
 def _problem(seed, num_users, num_cands, t, s, h, d, dtype=jnp.bfloat16, empty_users=1):
@@ -48,21 +48,6 @@ def test_interpret_single_user_head_dim_128_float16():
   args, index = _problem(1, num_users=1, num_cands=3, t=64, s=128, h=1, d=128,
                          dtype=jnp.float16, empty_users=0)
   _check_forward(args, index, jnp.array([97]), interpret=True)
-
-
-def test_interpret_gradients_match_reference():
-  args, index = _problem(2, num_users=3, num_cands=5, t=32, s=128, h=1, d=64)
-  kv_len = jnp.array([128, 60, 5])
-
-  def loss(implementation, **kwargs):
-    return lambda *a: jnp.sum(target_attention(
-        *a, index, kv_len=kv_len, implementation=implementation, **kwargs
-    ).astype(jnp.float32) ** 2)
-
-  grads = jax.grad(loss("mosaic_gpu", interpret=True), argnums=(0, 1, 2))(*args)
-  ref = jax.grad(loss("xla"), argnums=(0, 1, 2))(*args)
-  for g, r in zip(grads, ref):
-    assert rel_err(g, r) < 2e-2  # the cotangent 2 * out carries the forward's rounding
 
 
 def test_mosaic_gpu_rejects_float32_and_unsupported_head_dims():
