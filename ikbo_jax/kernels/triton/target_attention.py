@@ -22,6 +22,18 @@ from jax.experimental.pallas import triton as plt
 _F32 = jnp.float32
 
 
+def dot(a, b):
+  """`a @ b` accumulated in float32; float32 operands multiply in full float32, not TF32.
+
+  The backward takes `delta = rowsum(out * d_out)` from the forward's output
+  and `dp = d_out v^T` from its own GEMM; with a one-key history `dp - delta`
+  cancels exactly, so TF32 rounding in either GEMM stays in `ds` (H200:
+  float32 dq and dk 3.2-3.5x the same-precision reference's error).
+  """
+  precision = jax.lax.Precision.HIGHEST if a.dtype == _F32 else None
+  return jnp.dot(a, b, precision=precision, preferred_element_type=_F32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   block_t: int = 64
@@ -47,12 +59,12 @@ def _kernel(cand_to_user_ref, kv_len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref,
     col_ok = cols < kv_len
     k = plt.load(k_ref.at[user, pl.ds(j * bs, bs), h, :], mask=col_ok[:, None], other=0.0)
     v = plt.load(v_ref.at[user, pl.ds(j * bs, bs), h, :], mask=col_ok[:, None], other=0.0)
-    logits = jnp.dot(q, k.T, preferred_element_type=_F32) * scale
+    logits = dot(q, k.T) * scale
     logits = jnp.where(col_ok[None, :], logits, -jnp.inf)
     new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
     probs = jnp.exp(logits - new_max[:, None])
     rescale = jnp.exp(row_max - new_max)
-    acc = acc * rescale[:, None] + jnp.dot(probs.astype(v.dtype), v, preferred_element_type=_F32)
+    acc = acc * rescale[:, None] + dot(probs.astype(v.dtype), v)
     return acc, new_max, row_sum * rescale + jnp.sum(probs, axis=1)
 
   # Start from a finite row max: exp(-inf - (-inf)) would be NaN on the first block.

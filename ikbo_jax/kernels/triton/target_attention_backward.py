@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from ikbo_jax.kernels.triton.target_attention import Config
+from ikbo_jax.kernels.triton.target_attention import Config, dot
 
 _F32 = jnp.float32
 # Bytes of one query (or output-cotangent) block of the dk/dv kernel: 128 rows of
@@ -36,11 +36,11 @@ _DKV_MAX_BLOCK_BYTES = 128 * 128 * 2
 
 def _probs_and_dscores(q, k, v, d_out, lse, delta, col_ok, scale):
   """`p` and `ds = p * (d_out v^T - delta)` of one (query block, key block) pair."""
-  logits = jnp.dot(q, k.T, preferred_element_type=_F32) * scale
+  logits = dot(q, k.T) * scale
   # Rows of a user without keys have lse = -inf; they never reach here with a
   # valid column, and masked columns must give p = 0 rather than exp(nan).
   p = jnp.where(col_ok[None, :], jnp.exp(logits - lse[:, None]), 0.0)
-  dp = jnp.dot(d_out, v.T, preferred_element_type=_F32)
+  dp = dot(d_out, v.T)
   return p, p * (dp - delta[:, None])
 
 
@@ -64,7 +64,7 @@ def _dq_kernel(cand_to_user_ref, kv_len_ref, q_ref, k_ref, v_ref, d_out_ref, lse
     k = plt.load(k_ref.at[keys], mask=col_ok[:, None], other=0.0)
     v = plt.load(v_ref.at[keys], mask=col_ok[:, None], other=0.0)
     _, ds = _probs_and_dscores(q, k, v, d_out, lse, delta, col_ok, scale)
-    return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=_F32)
+    return dq + dot(ds.astype(k.dtype), k)
 
   dq = lax.fori_loop(0, pl.cdiv(kv_len, bs), s_step, jnp.zeros((bt, head_dim), _F32))
   plt.store(dq_ref.at[*rows, :], (dq * scale).astype(dq_ref.dtype), mask=row_ok[:, None])
@@ -94,8 +94,8 @@ def _dkv_kernel(user_offsets_ref, sort_order_ref, kv_len_ref, q_ref, k_ref, v_re
     lse = plt.load(lse_ref.at[rows], mask=row_ok, other=jnp.inf)
     delta = plt.load(delta_ref.at[rows], mask=row_ok, other=0.0)
     p, ds = _probs_and_dscores(q, k, v, d_out, lse, delta, col_ok, scale)
-    dv = dv + jnp.dot(p.astype(d_out.dtype).T, d_out, preferred_element_type=_F32)
-    dk = dk + jnp.dot(ds.astype(q.dtype).T, q, preferred_element_type=_F32)
+    dv = dv + dot(p.astype(d_out.dtype).T, d_out)
+    dk = dk + dot(ds.astype(q.dtype).T, q)
     return dk, dv
 
   # A key block wholly past kv_len skips the loop and stores zeros.
