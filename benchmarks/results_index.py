@@ -37,6 +37,7 @@ PRODUCERS = {
     "rewrite": "benchmarks/rewrite.py",
     "soak": "tools/soak.py",
     "gpu_sweep": "tests/test_gpu_sweep.py",
+    "gpu_checks": "pytest -m gpu and the GPU sweep, one device call (summarized by hand)",
     "correctness_sweep": "tests/test_gpu_sweep.py (an earlier form)",
     "gpu_rewrite_tests": "pytest tests/test_rewrite*.py on the GPU",
     "gpu_tests": "pytest -m gpu (benchmarks/gpu_run.sh)",
