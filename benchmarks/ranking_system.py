@@ -28,7 +28,7 @@ from benchmarks.problems import ranking_batch
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.models import Ranker, RankerConfig
 from ikbo_jax.serving import Batcher, BatchingConfig, BucketedModel
-from ikbo_jax.serving.loadgen import run_load
+from ikbo_jax.serving.load import run_load
 from ikbo_jax.serving.buckets import default_buckets
 from ikbo_jax.training import trainer
 

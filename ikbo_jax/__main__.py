@@ -45,8 +45,7 @@ def _run(args) -> dict:
   from ikbo_jax.data import pack_requests
   from ikbo_jax.data.synthetic import ClickGenerator
   from ikbo_jax.models import Build
-  from ikbo_jax.serving import loadgen
-  from ikbo_jax.serving.loadgen import format_row
+  from ikbo_jax.serving.load import compare_builds, format_row
   from ikbo_jax.training import TrainConfig, Trainer
 
   if args.mean_candidates is None:
@@ -75,7 +74,7 @@ def _run(args) -> dict:
         "(relative)")
 
   requests = gen.requests(args.requests, start=LOAD_START)
-  results = loadgen.compare_builds(trainer.model, requests, qps=args.qps,
+  results = compare_builds(trainer.model, requests, qps=args.qps,
                                    mean_candidates=args.mean_candidates)
   for build, stats in results.items():
     print(format_row(build, stats))

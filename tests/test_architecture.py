@@ -4,11 +4,14 @@ Each package or module of `ikbo_jax` sits in one layer (README, "Architecture").
 A module may import its own package and anything in a lower layer; an import
 of a higher layer, or of another package of the same layer, fails this test,
 as does any circle between modules. Function-local imports count as well.
+The command lines answer `--help` before jax loads.
 """
 
-import pathlib
-
 import ast
+import pathlib
+import subprocess
+import sys
+
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "ikbo_jax"
@@ -130,3 +133,17 @@ def test_benchmark_scripts_share_only_the_shared_modules():
                    else {node.module})
         crossing += [f"{path.name} -> {t}" for t in targets if t not in shared]
   assert not crossing, crossing
+
+
+@pytest.mark.parametrize("module", ["ikbo_jax", "ikbo_jax.training", "ikbo_jax.serving",
+                                    "ikbo_jax.serving.loadgen"])
+def test_every_command_line_answers_help_before_jax_loads(module):
+  """`--help` shows the real program name and defaults, and imports no jax (it took ~9 s)."""
+  code = ("import runpy, sys\nsys.argv = ['x', '--help']\ntry:\n"
+          f"  runpy.run_module({module!r}, run_name='__main__')\nexcept SystemExit:\n  pass\n"
+          "print('jax loaded' if 'jax' in sys.modules else 'no jax')")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT.parent, timeout=60, check=True)
+  assert f"usage: python -m {module}" in result.stdout
+  assert "(default:" in result.stdout
+  assert result.stdout.strip().endswith("no jax"), result.stdout[-300:]

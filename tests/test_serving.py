@@ -19,7 +19,7 @@ from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.models import Build, Ranker, RankerConfig
 from ikbo_jax.serving import Batcher, BatchingConfig, Bucket, BucketedModel, DeviceSet, Scorer
 from ikbo_jax.serving.http import create_app
-from ikbo_jax.serving.loadgen import run_load
+from ikbo_jax.serving.load import run_load
 
 CONFIG = RankerConfig(num_items=300, max_history=16)
 BUCKETS = [Bucket(16, 2, 16), Bucket(48, 4, 16)]
