@@ -1,6 +1,6 @@
-"""docs/results.md's index of benchmarks/results/ is generated, and must be current."""
+"""Generated from benchmarks/results/, and current: docs/results.md's index, the README's headline."""
 
-from benchmarks import results_index
+from benchmarks import headline, results_index
 
 
 def test_results_index_is_current():
@@ -17,3 +17,10 @@ def test_a_stale_index_is_seen():
 def test_every_kept_result_is_cited():
   rows = results_index.index().splitlines()
   assert not [r for r in rows if "nothing (archive it)" in r]
+
+
+def test_readme_headline_table_is_generated_from_the_results():
+  assert headline.main(["--check"]) == 0, "run: python -m benchmarks.headline --write"
+  readme = headline.README.read_text()
+  stale = readme.replace(headline.rows()[0], headline.rows()[0].replace(" ms |", " ms (old) |", 1))
+  assert stale != readme and headline._replace(stale) == readme
