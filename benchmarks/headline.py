@@ -10,10 +10,11 @@ benchmark changes the README only through this script. The table is the part of
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
+
+from benchmarks import generated
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -77,26 +78,14 @@ def table() -> str:
   return "\n".join([START, *header, *rows(), END])
 
 
-def _replace(text: str) -> str:
-  start, end = text.index(START), text.index(END) + len(END)
-  return text[:start] + table() + text[end:]
+def render(text: str) -> str:
+  """`text` (the README) with its headline table regenerated."""
+  return generated.between(text, START, END, table())
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.headline", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  mode = parser.add_mutually_exclusive_group(required=True)
-  mode.add_argument("--write", action="store_true", help="rewrite the table in README.md")
-  mode.add_argument("--check", action="store_true", help="exit 1 if the table is stale")
-  args = parser.parse_args(argv)
-  text = README.read_text()
-  if args.write:
-    README.write_text(_replace(text))
-    return 0
-  if _replace(text) != text:
-    print("README.md's headline table is stale: run python -m benchmarks.headline --write")
-    return 1
-  return 0
+  return generated.main(argv, prog="python -m benchmarks.headline", description=__doc__,
+                        path=README, render=render)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ lists it.
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import json
 import pathlib
 import re
 import sys
+
+from benchmarks import generated
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -110,28 +111,12 @@ def index() -> str:
 
 def render(doc: str) -> str:
   """`doc` with its index replaced by a freshly generated one."""
-  if START not in doc or END not in doc:
-    raise ValueError(f"{DOC} has no index markers ({START} ... {END})")
-  return doc[:doc.index(START)] + index() + doc[doc.index(END) + len(END):]
+  return generated.between(doc, START, END, index())
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.results_index",
-                                   description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  mode = parser.add_mutually_exclusive_group(required=True)
-  mode.add_argument("--write", action="store_true", help="regenerate the index in place")
-  mode.add_argument("--check", action="store_true", help="exit 1 if the index is stale")
-  args = parser.parse_args(argv)
-  doc = DOC.read_text()
-  fresh = render(doc)
-  if args.write:
-    DOC.write_text(fresh)
-    return 0
-  if fresh != doc:
-    print(f"{DOC.relative_to(ROOT)} is stale: run python -m benchmarks.results_index --write")
-    return 1
-  return 0
+  return generated.main(argv, prog="python -m benchmarks.results_index", description=__doc__,
+                        path=DOC, render=render)
 
 
 if __name__ == "__main__":
