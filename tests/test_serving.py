@@ -3,7 +3,6 @@
 import asyncio
 import dataclasses
 import re
-import socket
 import threading
 import time
 
@@ -11,7 +10,6 @@ import httpx
 import jax
 import numpy as np
 import pytest
-import uvicorn
 from flax import nnx
 
 from ikbo_jax.data import RequestError, pack_requests
@@ -20,6 +18,7 @@ from ikbo_jax.models import Build, Ranker, RankerConfig
 from ikbo_jax.serving import Batcher, BatchingConfig, Bucket, BucketedModel, DeviceSet, Scorer
 from ikbo_jax.serving.http import create_app
 from ikbo_jax.serving.load import run_load
+from ikbo_jax.testing import loopback
 
 CONFIG = RankerConfig(num_items=300, max_history=16)
 BUCKETS = [Bucket(16, 2, 16), Bucket(48, 4, 16)]
@@ -147,35 +146,23 @@ def test_bucket_and_batching_arguments_are_checked(ranker, served):
 
 
 def test_http_endpoint_over_loopback(ranker, served):
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  server = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port,
-                                         log_level="warning"))
-  thread = threading.Thread(target=server.run, daemon=True)
-  thread.start()
-  try:
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-      time.sleep(0.05)
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-      health = client.get("/health").json()
-      assert health["status"] == "ok" and health["build"] == "ikbo"
-      request = _requests(1, start=300)[0]
-      body = {f: np.asarray(getattr(request, f)).tolist()
-              for f in ("user_dense", "history", "cand_items", "cand_dense")}
-      response = client.post("/score", json=body)
-      assert response.status_code == 200
-      np.testing.assert_allclose(response.json()["scores"], _alone(ranker, request),
-                                 rtol=1e-5, atol=1e-6)
-      bad = client.post("/score", json={**body, "cand_items": [10**6]})
-      assert bad.status_code == 400 and "cand_items" in bad.json()["error"]
-      assert client.post("/score", content=b"{not json").status_code == 400
-      missing = client.post("/score", json={"history": []})
-      assert missing.status_code == 400 and "missing ['user_dense'" in missing.json()["error"]
-  finally:
-    server.should_exit = True
-    thread.join(timeout=30)
+  with (loopback.serving(create_app(served)) as url,
+        httpx.Client(base_url=url, timeout=30) as client):
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["build"] == "ikbo"
+    request = _requests(1, start=300)[0]
+    body = {f: np.asarray(getattr(request, f)).tolist()
+            for f in ("user_dense", "history", "cand_items", "cand_dense")}
+    response = client.post("/score", json=body)
+    assert response.status_code == 200
+    np.testing.assert_allclose(response.json()["scores"], _alone(ranker, request),
+                               rtol=1e-5, atol=1e-6)
+    bad = client.post("/score", json={**body, "cand_items": [10**6]})
+    assert bad.status_code == 400 and "cand_items" in bad.json()["error"]
+    assert client.post("/score", content=b"{not json",
+                       headers={"content-type": "application/json"}).status_code == 400
+    missing = client.post("/score", json={"history": []})
+    assert missing.status_code == 400 and "missing ['user_dense'" in missing.json()["error"]
 
 
 def test_load_generator_reports_percentiles():

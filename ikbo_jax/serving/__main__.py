@@ -5,7 +5,15 @@
 
 `--checkpoint-dir` is a directory written by `python -m ikbo_jax.training`
 (without it the model has random weights, for load tests). Routes: `POST
-/score`, `GET /health` (`ikbo_jax.serving.http`).
+/score`, `GET /health`, `/health/live`, `/health/ready`, `/metrics`
+(`ikbo_jax.serving.http`). The port opens at once; the buckets compile after,
+and the server reports ready when they are done.
+
+Overload is answered, never dropped: the batcher refuses requests past its
+queue bounds (429) and answers those whose deadline passed in the queue (503);
+uvicorn answers 503 past `--max-connections`, and its accept backlog holds the
+connections it has not yet accepted. On SIGTERM it stops accepting, answers
+what is in flight, and exits within `--drain-seconds`.
 """
 
 from __future__ import annotations
@@ -34,6 +42,20 @@ def main(argv=None) -> None:
                       help="serve on this many local devices, one model replica on each")
   parser.add_argument("--mean-candidates", type=float, default=8.0,
                       help="sizes the default buckets")
+  parser.add_argument("--max-queued-candidates", type=int, default=65536,
+                      help="candidates waiting in the batcher beyond which requests get 429")
+  parser.add_argument("--timeout-ms", type=float, default=1000.0,
+                      help="a request's deadline unless its X-Timeout-Ms header sets one")
+  parser.add_argument("--max-body-bytes", type=int, default=8 << 20,
+                      help="the largest request body (413 beyond)")
+  parser.add_argument("--max-connections", type=int, default=2048,
+                      help="open connections beyond which uvicorn answers 503")
+  parser.add_argument("--backlog", type=int, default=4096,
+                      help="the socket's accept backlog (connections not yet accepted)")
+  parser.add_argument("--idle-seconds", type=int, default=5,
+                      help="an idle keep-alive connection is closed after this long")
+  parser.add_argument("--drain-seconds", type=int, default=10,
+                      help="on SIGTERM, how long in-flight requests may take to finish")
   parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
   parser.add_argument("--port", type=int, default=8000, help="port to listen on")
   args = parser.parse_args(argv)
@@ -50,28 +72,38 @@ def _serve(args, parser) -> None:
   from ikbo_jax.serving.batcher import BatchingConfig
   from ikbo_jax.serving.buckets import BucketedModel, default_buckets
   from ikbo_jax.serving.devices import DeviceSet
-  from ikbo_jax.serving.http import create_app
+  from ikbo_jax.serving.http import HttpLimits, create_app
 
   config = PRESETS[args.preset]()
-  if args.checkpoint_dir:
-    ranker = load_ranker(config, args.checkpoint_dir)
-  else:
-    print("no --checkpoint-dir: serving random weights")
-    ranker = Ranker(config, rngs=nnx.Rngs(0))
-  buckets = default_buckets(config, max_batch_requests=args.max_batch_requests,
-                            mean_candidates=args.mean_candidates)
   if not 1 <= args.devices <= len(jax.local_devices()):
     parser.error(f"--devices must be in [1, {len(jax.local_devices())}], got {args.devices}")
-  print(f"compiling {len(buckets)} buckets of the {args.build} build on {args.devices} "
-        "device(s)...", flush=True)
-  progress = lambda bucket, seconds: print(f"  compiled {bucket} in {seconds:.1f} s", flush=True)
-  model = (BucketedModel(ranker, buckets, args.build, on_compiled=progress)
-           if args.devices == 1 else
-           DeviceSet(ranker, buckets, args.build, devices=jax.local_devices()[:args.devices],
-                     on_compiled=progress))
+  buckets = default_buckets(config, max_batch_requests=args.max_batch_requests,
+                            mean_candidates=args.mean_candidates)
+
+  def build_model():
+    """Runs on a thread once the port is open; the server is ready when it returns."""
+    if args.checkpoint_dir:
+      ranker = load_ranker(config, args.checkpoint_dir)
+    else:
+      print("no --checkpoint-dir: serving random weights")
+      ranker = Ranker(config, rngs=nnx.Rngs(0))
+    print(f"compiling {len(buckets)} buckets of the {args.build} build on {args.devices} "
+          "device(s)...", flush=True)
+    progress = lambda bucket, seconds: print(f"  compiled {bucket} in {seconds:.1f} s",
+                                             flush=True)
+    if args.devices == 1:
+      return BucketedModel(ranker, buckets, args.build, on_compiled=progress)
+    return DeviceSet(ranker, buckets, args.build, devices=jax.local_devices()[:args.devices],
+                     on_compiled=progress)
+
   batching = BatchingConfig(args.max_batch_requests, args.batch_timeout_ms,
-                            max_in_flight=args.max_in_flight or 2 * args.devices)
-  uvicorn.run(create_app(model, batching), host=args.host, port=args.port)
+                            max_queued_candidates=args.max_queued_candidates,
+                            max_in_flight=args.max_in_flight or 2 * args.devices,
+                            default_timeout_ms=args.timeout_ms)
+  app = create_app(build_model, batching, HttpLimits(max_body_bytes=args.max_body_bytes))
+  uvicorn.run(app, host=args.host, port=args.port, backlog=args.backlog,
+              limit_concurrency=args.max_connections, timeout_keep_alive=args.idle_seconds,
+              timeout_graceful_shutdown=args.drain_seconds)
 
 
 if __name__ == "__main__":

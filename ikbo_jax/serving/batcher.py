@@ -12,6 +12,13 @@ reaches a batch, so the other requests are unaffected. A request with more
 candidates than the largest bucket holds is split into pieces (the same user,
 consecutive candidates) and its scores are joined in order; a history longer
 than the model takes is refused.
+
+Admission: a request is refused with `Overloaded` (HTTP 429) when the queue
+would then hold more than `max_queued` requests or `max_queued_candidates`
+candidates, counted before it is split. Every request has a deadline (its own,
+or `default_timeout_ms` from its arrival); one still queued at its deadline is
+answered with `DeadlineExceeded` (HTTP 503) and never computed, so under any
+offered load the requests that are computed are the ones still worth answering.
 """
 
 from __future__ import annotations
@@ -20,10 +27,12 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from ikbo_jax.data import Request, RequestError
+from ikbo_jax.serving.buckets import Bucket
 from ikbo_jax.serving.scorer import Scorer
 
 
@@ -34,13 +43,17 @@ class BatchingConfig:
       the user slots of the largest bucket.
     batch_timeout_ms: longest wait of a batch's first request for more (max queue delay).
     max_queued: requests waiting beyond this are refused at once (back-pressure).
+    max_queued_candidates: candidates waiting beyond this are refused at once.
     max_in_flight: batches with the model at once, each on its own host thread.
+    default_timeout_ms: a request's deadline, from its arrival, unless it brings its own.
   """
 
   max_batch_requests: int | None = None
   batch_timeout_ms: float = 2.0
   max_queued: int = 4096
+  max_queued_candidates: int = 65536
   max_in_flight: int = 2
+  default_timeout_ms: float = 1000.0
 
   def __post_init__(self):
     if self.max_batch_requests is not None and not (
@@ -48,16 +61,27 @@ class BatchingConfig:
       raise ValueError(f"max_batch_requests must be a positive int, got {self.max_batch_requests!r}")
     if not self.batch_timeout_ms >= 0:
       raise ValueError(f"batch_timeout_ms must be >= 0, got {self.batch_timeout_ms!r}")
-    for name in ("max_queued", "max_in_flight"):
+    if not self.default_timeout_ms > 0:
+      raise ValueError(f"default_timeout_ms must be > 0, got {self.default_timeout_ms!r}")
+    for name in ("max_queued", "max_queued_candidates", "max_in_flight"):
       value = getattr(self, name)
       if not (isinstance(value, int) and value > 0):
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+class Overloaded(RuntimeError):
+  """The queue is at its bound: the request was refused before it was queued; retry later."""
+
+
+class DeadlineExceeded(RuntimeError):
+  """The request's deadline passed while it was queued; it was never computed."""
 
 
 @dataclasses.dataclass
 class _Pending:
   request: Request
   future: asyncio.Future
+  deadline: float  # the event loop's clock
 
 
 class Batcher:
@@ -81,14 +105,18 @@ class Batcher:
   True
   """
 
-  def __init__(self, model: Scorer, config: BatchingConfig = BatchingConfig()):
+  def __init__(self, model: Scorer, config: BatchingConfig = BatchingConfig(),
+               on_batch: Callable[[Sequence[Request], Bucket | None, float], None] | None = None):
+    """`on_batch(requests, bucket, seconds)` hears of each batch the model ran (metrics)."""
     if config.max_batch_requests is None:
       config = dataclasses.replace(config, max_batch_requests=model.largest.num_users)
     if config.max_batch_requests > model.largest.num_users:
       raise ValueError(f"max_batch_requests={config.max_batch_requests} exceeds the user slots "
                        f"of the largest bucket, {model.largest}")
-    self.model, self.config = model, config
+    self.model, self.config, self._on_batch = model, config, on_batch
     self.batches_run = 0
+    self.refused = self.timed_out = 0  # requests answered Overloaded / DeadlineExceeded
+    self.queued_candidates = 0
     self._queue: collections.deque[_Pending] = collections.deque()
     self._arrived = asyncio.Event()
     self._task: asyncio.Task | None = None
@@ -109,11 +137,21 @@ class Batcher:
       pass
     await asyncio.gather(*self._in_flight)  # batches already with the model finish
     for pending in self._queue:
-      pending.future.set_exception(RuntimeError("the batcher stopped"))
+      if not pending.future.done():
+        pending.future.set_exception(RuntimeError("the batcher stopped"))
     self._threads.shutdown(wait=True)
 
-  async def score(self, request: Request) -> np.ndarray:
-    """The request's click probabilities in its candidate order; `RequestError` if it is bad."""
+  @property
+  def queued_requests(self) -> int:
+    return len(self._queue)
+
+  async def score(self, request: Request, timeout_ms: float | None = None) -> np.ndarray:
+    """The request's click probabilities in its candidate order.
+
+    Raises `RequestError` if the request is bad, `Overloaded` if the queue is at
+    its bound, `DeadlineExceeded` if it was still queued `timeout_ms` (default
+    `config.default_timeout_ms`) after it arrived.
+    """
     if self._task is None or self._task.done():
       raise RuntimeError("the batcher is not running: use `async with Batcher(...)`")
     request = request.validated(self.model.config)
@@ -121,26 +159,58 @@ class Batcher:
     if len(request.history) > largest.history_slots:
       raise RequestError(f"history has {len(request.history)} items; the largest bucket takes "
                          f"{largest.history_slots}")
-    if len(self._queue) >= self.config.max_queued:
-      raise RequestError(f"the queue is full ({self.config.max_queued} requests); retry later")
-    pieces = await asyncio.gather(*(self._enqueue(piece)
-                                    for piece in _split(request, largest.num_candidates)))
-    return np.concatenate(pieces)
+    if timeout_ms is not None and not timeout_ms > 0:
+      raise RequestError(f"the timeout must be > 0 ms, got {timeout_ms!r}")
+    pieces = _split(request, largest.num_candidates)
+    config = self.config
+    if (len(self._queue) + len(pieces) > config.max_queued
+        or self.queued_candidates + request.num_candidates > config.max_queued_candidates):
+      self.refused += 1
+      raise Overloaded(f"the queue is full ({len(self._queue)} requests, "
+                       f"{self.queued_candidates} candidates; bounds {config.max_queued} and "
+                       f"{config.max_queued_candidates}); retry later")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (timeout_ms or config.default_timeout_ms) / 1e3
+    futures = [self._enqueue(piece, deadline) for piece in pieces]
+    try:
+      return np.concatenate(await asyncio.gather(*futures))
+    finally:
+      for future in futures:  # a failed piece cancels the rest (cancelled ones are skipped)
+        future.cancel()
 
-  def _enqueue(self, request: Request) -> asyncio.Future:
+  def _enqueue(self, request: Request, deadline: float) -> asyncio.Future:
     future = asyncio.get_running_loop().create_future()
-    self._queue.append(_Pending(request, future))
+    self._queue.append(_Pending(request, future, deadline))
+    self.queued_candidates += request.num_candidates
     self._arrived.set()
     return future
 
+  def _pop(self) -> _Pending:
+    pending = self._queue.popleft()
+    self.queued_candidates -= pending.request.num_candidates
+    return pending
+
   async def _next_request(self, timeout: float | None) -> _Pending | None:
-    while not self._queue:
-      self._arrived.clear()
-      try:
-        await asyncio.wait_for(self._arrived.wait(), timeout)
-      except TimeoutError:
-        return None
-    return self._queue.popleft()
+    """The next queued request that is still wanted; expired ones are answered on the way."""
+    now = asyncio.get_running_loop().time
+    while True:
+      while not self._queue:
+        self._arrived.clear()
+        try:
+          await asyncio.wait_for(self._arrived.wait(), timeout)
+        except TimeoutError:
+          return None
+      pending = self._pop()
+      if pending.future.done():  # cancelled by its caller
+        continue
+      if now() < pending.deadline:
+        return pending
+      self._expire(pending)
+
+  def _expire(self, pending: _Pending) -> None:
+    self.timed_out += 1
+    pending.future.set_exception(DeadlineExceeded(
+        "the request's deadline passed while it was queued; it was not computed"))
 
   async def _run(self) -> None:
     loop = asyncio.get_running_loop()
@@ -154,9 +224,19 @@ class Batcher:
           break
         if self.model.bucket_for([p.request for p in batch + [pending]]) is None:
           self._queue.appendleft(pending)  # opens the next batch
+          self.queued_candidates += pending.request.num_candidates
           break
         batch.append(pending)
-      live = [p for p in batch if not p.future.cancelled()]
+      # The batch waited for a slot and for others: its requests' deadlines may have passed.
+      now = loop.time()
+      live = []
+      for p in batch:
+        if p.future.done():
+          continue
+        if now >= p.deadline:
+          self._expire(p)
+        else:
+          live.append(p)
       if not live:
         self._free_slots.release()
         continue
@@ -166,9 +246,13 @@ class Batcher:
 
   async def _score(self, batch: list[_Pending]) -> None:
     """Runs one batch on a model thread and answers its requests; frees its slot."""
+    requests = [p.request for p in batch]
+    loop = asyncio.get_running_loop()
     try:
-      scores = await asyncio.get_running_loop().run_in_executor(
-          self._threads, self.model, [p.request for p in batch])
+      start = loop.time()
+      scores = await loop.run_in_executor(self._threads, self.model, requests)
+      if self._on_batch is not None:
+        self._on_batch(requests, self.model.bucket_for(requests), loop.time() - start)
     except Exception as e:  # a failure of the batch reaches each of its callers
       for p in batch:
         if not p.future.done():

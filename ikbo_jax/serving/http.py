@@ -1,65 +1,250 @@
 """The HTTP endpoint (Starlette): `POST /score` takes one request as JSON, returns its scores.
 
     {"user_dense": [...], "history": [...], "cand_items": [...], "cand_dense": [[...], ...]}
-    -> 200 {"scores": [...]}            (click probabilities, in candidate order)
-    -> 400 {"error": "..."}             (this request only; names the field and the values)
+    -> 200 {"scores": [...]}   click probabilities, in candidate order
+    -> 400 {"error": "..."}    this request is malformed (names the field and the values)
+    -> 408                     its body did not arrive within `HttpLimits.body_timeout_s`
+    -> 413                     its body or its candidate count is over the limit
+    -> 415                     its content type is not application/json
+    -> 422                     it is well formed but its scores are not finite (inputs overflow)
+    -> 429 + Retry-After       the queue is at its bound: refused before it was queued
+    -> 503 + Retry-After       its deadline passed in the queue (never computed), or the
+                               server is still compiling
 
-`GET /health` reports the build and the compiled buckets. The batcher runs for
-the app's lifetime, so concurrent HTTP requests share batches.
+A request's deadline is the `X-Timeout-Ms` header or the batcher's default.
+`GET /health/live` answers while the process runs, `GET /health/ready` only once
+every bucket is compiled; `GET /health` reports the build, the buckets and the
+request fields the loaded model takes; `GET /metrics` is Prometheus' (`metrics`).
+Nothing a client sends reaches the log as a traceback: every failure is one of
+the statuses above, and an unexpected one is a 500 logged in one line.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
+import time
+from collections.abc import Callable
 
+import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ikbo_jax.data import Request, RequestError
-from ikbo_jax.serving.batcher import Batcher, BatchingConfig
+from ikbo_jax.serving.batcher import Batcher, BatchingConfig, DeadlineExceeded, Overloaded
+from ikbo_jax.serving.metrics import ServingMetrics
 from ikbo_jax.serving.scorer import Scorer
 
 _FIELDS = ("user_dense", "history", "cand_items", "cand_dense")
+_LOG = logging.getLogger(__name__)
 
 
-def create_app(model: Scorer, batching: BatchingConfig = BatchingConfig()) -> Starlette:
-  """An ASGI app serving `model` (run it with uvicorn, or `python -m ikbo_jax.serving`)."""
+@dataclasses.dataclass(frozen=True)
+class HttpLimits:
+  """What one request may be. Attributes:
+    max_body_bytes: the largest body read (413 beyond).
+    max_candidates: the most candidates in one request (413 beyond).
+    body_timeout_s: how long the body may take to arrive (408 beyond).
+    max_int_digits: the longest integer literal in the JSON (400 beyond).
+    retry_after_s: the `Retry-After` of a 429 or 503.
+  """
+
+  max_body_bytes: int = 8 << 20
+  max_candidates: int = 8192
+  body_timeout_s: float = 10.0
+  max_int_digits: int = 19
+  retry_after_s: int = 1
+
+
+class _Refusal(Exception):
+  """A response other than 200, with its status and message."""
+
+  def __init__(self, status: int, message: str, retry: bool = False):
+    super().__init__(message)
+    self.status, self.retry = status, retry
+
+
+def create_app(model: Scorer | Callable[[], Scorer], batching: BatchingConfig = BatchingConfig(),
+               limits: HttpLimits = HttpLimits()) -> Starlette:
+  """An ASGI app serving `model` (run it with uvicorn, or `python -m ikbo_jax.serving`).
+
+  `model` may be a function that builds (compiles) the model: it then runs on a
+  thread after the server starts, and the server answers 503 and reports not
+  ready until it is done.
+  """
+  metrics = ServingMetrics()
 
   @contextlib.asynccontextmanager
   async def lifespan(app: Starlette):
-    async with Batcher(model, batching) as batcher:
-      app.state.batcher = batcher
-      yield
+    app.state.batcher = app.state.model = None
+    async with contextlib.AsyncExitStack() as stack:
+      async def start():
+        served = model if isinstance(model, Scorer) else await asyncio.to_thread(model)
+        batcher = await stack.enter_async_context(
+            Batcher(served, batching, on_batch=metrics.observe_batch))
+        metrics.watch_queue(lambda: batcher.queued_requests, lambda: batcher.queued_candidates)
+        app.state.model, app.state.batcher = served, batcher
 
-  async def score(http_request: HttpRequest) -> JSONResponse:
+      if isinstance(model, Scorer):
+        await start()
+        yield
+      else:
+        starting = asyncio.create_task(start())
+        yield
+        starting.cancel()
+
+  async def score(http_request: HttpRequest) -> Response:
+    start = time.perf_counter()
     try:
-      body = await http_request.json()
-      request = _parse(body)
-      scores = await http_request.app.state.batcher.score(request)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      return JSONResponse({"error": f"the body is not JSON: {e}"}, status_code=400)
-    except RequestError as e:
-      return JSONResponse({"error": str(e)}, status_code=400)
-    return JSONResponse({"scores": scores.tolist()})
+      response = JSONResponse({"scores": await _score(http_request, limits)})
+    except _Refusal as refusal:
+      if refusal.status in (429, 503):
+        reason = {429: "overloaded"}.get(refusal.status, (
+            "deadline" if http_request.app.state.batcher else "not_ready"))
+        metrics.refused.labels(reason).inc()
+      headers = {"Retry-After": str(limits.retry_after_s)} if refusal.retry else None
+      response = JSONResponse({"error": str(refusal)}, status_code=refusal.status,
+                              headers=headers)
+    except Exception as e:  # a defect of ours: one line in the log, no traceback
+      _LOG.error("POST /score failed: %s: %s", type(e).__name__, e)
+      response = JSONResponse({"error": f"internal error ({type(e).__name__})"}, status_code=500)
+    metrics.request_seconds.labels("/score", str(response.status_code)).observe(
+        time.perf_counter() - start)
+    return response
 
-  async def health(http_request: HttpRequest) -> JSONResponse:
-    return JSONResponse({"status": "ok", "build": model.build,
-                         "buckets": [dataclasses.asdict(b) for b in model.buckets]})
+  def health(http_request: HttpRequest) -> JSONResponse:
+    served = http_request.app.state.model
+    if served is None:
+      return JSONResponse({"status": "starting"}, status_code=503)
+    return JSONResponse({"status": "ok", "build": served.build,
+                         "buckets": [dataclasses.asdict(b) for b in served.buckets],
+                         "request": _request_schema(served, limits)})
+
+  def live(http_request: HttpRequest) -> JSONResponse:
+    return JSONResponse({"status": "alive"})
+
+  def ready(http_request: HttpRequest) -> JSONResponse:
+    is_ready = http_request.app.state.batcher is not None
+    return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
+
+  def scrape(http_request: HttpRequest) -> Response:
+    body, content_type = metrics.exposition()
+    return Response(body, media_type=content_type)
 
   return Starlette(routes=[Route("/score", score, methods=["POST"]),
-                           Route("/health", health, methods=["GET"])], lifespan=lifespan)
+                           Route("/health", health, methods=["GET"]),
+                           Route("/health/live", live, methods=["GET"]),
+                           Route("/health/ready", ready, methods=["GET"]),
+                           Route("/metrics", scrape, methods=["GET"])], lifespan=lifespan)
 
 
-def _parse(body) -> Request:
+async def _score(http_request: HttpRequest, limits: HttpLimits) -> list[float]:
+  batcher: Batcher | None = http_request.app.state.batcher
+  if batcher is None:
+    raise _Refusal(503, "the model is still compiling; retry later", retry=True)
+  content_type = http_request.headers.get("content-type", "").split(";")[0].strip().lower()
+  if content_type != "application/json":
+    raise _Refusal(415, f"the content type must be application/json, got {content_type!r}")
+  body = _parse_json(await _read_body(http_request, limits), limits)
+  request = _parse(body, limits)
+  timeout_ms = _timeout_ms(http_request.headers.get("x-timeout-ms"))
+  try:
+    scores = await batcher.score(request, timeout_ms)
+  except RequestError as e:
+    raise _Refusal(400, str(e)) from None
+  except Overloaded as e:
+    raise _Refusal(429, str(e), retry=True) from None
+  except DeadlineExceeded as e:
+    raise _Refusal(503, str(e), retry=True) from None
+  finite = np.isfinite(scores)
+  if not finite.all():
+    raise _Refusal(422, f"{int((~finite).sum())} of the request's {scores.size} scores are not "
+                        "finite: its inputs overflow the model (e.g. a feature of 1e20)")
+  return scores.tolist()
+
+
+async def _read_body(http_request: HttpRequest, limits: HttpLimits) -> bytes:
+  declared = http_request.headers.get("content-length")
+  if declared is not None and (not declared.isdigit() or int(declared) > limits.max_body_bytes):
+    raise _Refusal(413, f"the body may have at most {limits.max_body_bytes} bytes, "
+                        f"Content-Length says {declared}")
+
+  async def read() -> bytes:
+    chunks, size = [], 0
+    async for chunk in http_request.stream():
+      size += len(chunk)
+      if size > limits.max_body_bytes:
+        raise _Refusal(413, f"the body may have at most {limits.max_body_bytes} bytes")
+      chunks.append(chunk)
+    return b"".join(chunks)
+
+  try:
+    return await asyncio.wait_for(read(), limits.body_timeout_s)
+  except TimeoutError:
+    raise _Refusal(408, f"the body did not arrive within {limits.body_timeout_s} s") from None
+
+
+def _parse_json(body: bytes, limits: HttpLimits):
+  def parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > limits.max_int_digits:
+      raise ValueError(f"an integer of {len(text)} digits (at most {limits.max_int_digits})")
+    return int(text)
+
+  def no_constants(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+  try:
+    return json.loads(body, parse_int=parse_int, parse_constant=no_constants)
+  except RecursionError:
+    raise _Refusal(400, "the body is nested too deeply to be a request") from None
+  except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+    raise _Refusal(400, f"the body is not a request's JSON: {e}") from None
+
+
+def _parse(body, limits: HttpLimits) -> Request:
   if not isinstance(body, dict):
-    raise RequestError(f"the body must be a JSON object with fields {list(_FIELDS)}, "
-                       f"got {type(body).__name__}")
+    raise _Refusal(400, f"the body must be a JSON object with fields {list(_FIELDS)}, "
+                        f"got {type(body).__name__}")
   missing = [f for f in _FIELDS if f not in body]
   unknown = sorted(set(body) - set(_FIELDS))
   if missing or unknown:
-    raise RequestError(f"expected fields {list(_FIELDS)}; missing {missing}, unknown {unknown}")
+    raise _Refusal(400, f"expected fields {list(_FIELDS)}; missing {missing}, unknown {unknown}")
+  cand_items = body["cand_items"]
+  if isinstance(cand_items, list) and len(cand_items) > limits.max_candidates:
+    raise _Refusal(413, f"cand_items has {len(cand_items)} candidates; a request may have at "
+                        f"most {limits.max_candidates}")
   return Request(**{f: body[f] for f in _FIELDS})
+
+
+def _timeout_ms(header: str | None) -> float | None:
+  if header is None:
+    return None
+  try:
+    value = float(header)
+  except ValueError:
+    value = float("nan")
+  if not 0 < value < float("inf"):
+    raise _Refusal(400, f"X-Timeout-Ms must be a positive number of milliseconds, got {header!r}")
+  return value
+
+
+def _request_schema(model: Scorer, limits: HttpLimits) -> dict:
+  """The fields `POST /score` takes for the loaded model, with their shapes."""
+  config = model.config
+  return {
+      "content_type": "application/json",
+      "fields": {
+          "user_dense": f"float[{config.user_dense}], finite",
+          "history": f"int[L], L <= {config.max_history}, item ids in [0, {config.num_items})",
+          "cand_items": f"int[n], 1 <= n <= {limits.max_candidates}, item ids in "
+                        f"[0, {config.num_items})",
+          "cand_dense": f"float[n, {config.cand_dense}], finite",
+      },
+      "headers": {"X-Timeout-Ms": "optional: the request's deadline in milliseconds"},
+      "max_body_bytes": limits.max_body_bytes,
+  }

@@ -9,6 +9,7 @@ the command line over them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -17,8 +18,16 @@ import numpy as np
 
 from ikbo_jax.data import Request, RequestError
 from ikbo_jax.models import Build, Ranker
-from ikbo_jax.serving.batcher import Batcher, BatchingConfig
+from ikbo_jax.serving.batcher import Batcher, BatchingConfig, DeadlineExceeded, Overloaded
 from ikbo_jax.serving.buckets import Bucket, BucketedModel, default_buckets
+
+
+class Refused(Exception):
+  """The server answered without scores; `kind` says how (the HTTP status)."""
+
+  def __init__(self, kind: str):
+    super().__init__(kind)
+    self.kind = kind
 
 
 async def run_load(score: Callable[[Request], Awaitable], requests: Sequence[Request], *,
@@ -27,16 +36,24 @@ async def run_load(score: Callable[[Request], Awaitable], requests: Sequence[Req
   gaps = np.random.default_rng(seed).exponential(1.0 / qps, size=len(requests))
   loop = asyncio.get_running_loop()
   start = loop.time()
-  latencies, errors = [], []
+  latencies, errors = [], collections.Counter()
 
   async def one(request: Request) -> None:
     sent = time.perf_counter()
     try:
       await score(request)
-    except RequestError as e:
-      errors.append(str(e))
-      return
-    latencies.append((time.perf_counter() - sent) * 1e3)
+    except RequestError:
+      errors["bad_request"] += 1
+    except Overloaded:
+      errors["overloaded"] += 1
+    except DeadlineExceeded:
+      errors["deadline"] += 1
+    except Refused as e:
+      errors[e.kind] += 1
+    except (httpx.HTTPError, OSError) as e:  # resets, timeouts: counted, the run goes on
+      errors[type(e).__name__] += 1
+    else:
+      latencies.append((time.perf_counter() - sent) * 1e3)
 
   tasks, last_arrival = [], 0.0
   for request, arrival in zip(requests, np.cumsum(gaps)):
@@ -52,7 +69,7 @@ async def run_load(score: Callable[[Request], Awaitable], requests: Sequence[Req
   # The realized rate of this finite Poisson draw: what "keeping up" is judged against.
   offered = len(tasks) / last_arrival if last_arrival > 0 else float(len(tasks))
   return dict(target_qps=qps, offered_qps=offered, requests=len(tasks), answered=len(latencies),
-              errors=len(errors),
+              errors=sum(errors.values()), errors_by_kind=dict(errors),
               candidates=int(sum(r.num_candidates for r in sent)), seconds=elapsed,
               achieved_qps=len(latencies) / elapsed, p50_ms=float(p50), p90_ms=float(p90),
               p99_ms=float(p99), mean_ms=float(np.mean(latencies)) if latencies else np.nan)
@@ -67,7 +84,8 @@ def format_row(name: str, stats: dict) -> str:
   """
   return (f"{name:>9}: {stats['requests']} requests sent at {stats['offered_qps']:.0f}/s "
           f"(target {stats['target_qps']:.0f}/s), {stats['answered']} answered "
-          f"({stats['errors']} refused) in {stats['seconds']:.1f} s; latency "
+          f"({stats['errors']} not: {stats.get('errors_by_kind') or 'none'}) in "
+          f"{stats['seconds']:.1f} s; latency "
           f"p50 {stats['p50_ms']:.1f} ms, p90 {stats['p90_ms']:.1f} ms, "
           f"p99 {stats['p99_ms']:.1f} ms")
 
@@ -111,6 +129,7 @@ async def over_http(url: str, requests: Sequence[Request], *, qps: float,
       response = await client.post("/score", json=body)
       if response.status_code == 400:
         raise RequestError(response.json()["error"])
-      response.raise_for_status()
+      if response.status_code != 200:
+        raise Refused(str(response.status_code))
       return response.json()["scores"]
     return await run_load(score, requests, qps=qps, max_seconds=max_seconds)

@@ -1,0 +1,69 @@
+"""Prometheus metrics of one server (`prometheus-client`), served at `GET /metrics`.
+
+Names follow Prometheus conventions (base units, `_total` counters):
+
+- `ikbo_http_request_seconds{route, status}`: latency histogram per route and status;
+- `ikbo_queue_requests`, `ikbo_queue_candidates`: what waits in the batcher now;
+- `ikbo_batch_requests`, `ikbo_batch_candidates`: batch-size histograms;
+- `ikbo_batches_total{bucket}`: batches per compiled bucket;
+- `ikbo_batch_seconds`: the model call per batch (packing, transfer, device, fetch);
+- `ikbo_refused_total{reason}`: requests answered without computing them
+  (`overloaded`, `deadline`, `not_ready`).
+
+Each server has its own registry, so several apps in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import prometheus_client as prom
+
+from ikbo_jax.data import Request
+from ikbo_jax.serving.buckets import Bucket
+
+_LATENCY_BUCKETS = (.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1., 2., 5., 10.)
+_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class ServingMetrics:
+  """The metrics of one server, in their own registry."""
+
+  def __init__(self):
+    self.registry = prom.CollectorRegistry()
+    r = self.registry
+    self.request_seconds = prom.Histogram(
+        "ikbo_http_request_seconds", "HTTP request latency", ("route", "status"),
+        buckets=_LATENCY_BUCKETS, registry=r)
+    self.queue_requests = prom.Gauge("ikbo_queue_requests", "requests in the batcher's queue",
+                                     registry=r)
+    self.queue_candidates = prom.Gauge("ikbo_queue_candidates",
+                                       "candidates in the batcher's queue", registry=r)
+    self.batch_requests = prom.Histogram("ikbo_batch_requests", "requests per batch",
+                                         buckets=_SIZE_BUCKETS, registry=r)
+    self.batch_candidates = prom.Histogram("ikbo_batch_candidates", "candidates per batch",
+                                           buckets=_SIZE_BUCKETS, registry=r)
+    self.batches = prom.Counter("ikbo_batches", "batches per compiled bucket", ("bucket",),
+                                registry=r)
+    self.batch_seconds = prom.Histogram("ikbo_batch_seconds", "model call time per batch",
+                                        buckets=_LATENCY_BUCKETS, registry=r)
+    self.refused = prom.Counter("ikbo_refused", "requests answered without computing them",
+                                ("reason",), registry=r)
+
+  def watch_queue(self, requests: Callable[[], int], candidates: Callable[[], int]) -> None:
+    """Reads the queue depths from the batcher at each scrape."""
+    self.queue_requests.set_function(requests)
+    self.queue_candidates.set_function(candidates)
+
+  def observe_batch(self, requests: Sequence[Request], bucket: Bucket | None,
+                    seconds: float) -> None:
+    self.batch_requests.observe(len(requests))
+    self.batch_candidates.observe(sum(r.num_candidates for r in requests))
+    label = "none" if bucket is None else (
+        f"{bucket.num_candidates}x{bucket.num_users}x{bucket.history_slots}")
+    self.batches.labels(label).inc()
+    self.batch_seconds.observe(seconds)
+
+  def exposition(self) -> tuple[bytes, str]:
+    """The text exposition format and its content type."""
+    return prom.generate_latest(self.registry), prom.CONTENT_TYPE_LATEST

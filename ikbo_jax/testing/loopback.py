@@ -1,0 +1,33 @@
+"""An ASGI app served by uvicorn on a free loopback port, in a thread, for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import uvicorn
+
+
+@contextlib.contextmanager
+def serving(app, **config) -> Iterator[str]:
+  """Runs `app` until the block ends; yields its base URL. `config` goes to `uvicorn.Config`."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  config = dict(log_level="warning", **config)
+  server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **config))
+  thread = threading.Thread(target=server.run, daemon=True)
+  thread.start()
+  try:
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+      time.sleep(0.02)
+    if not server.started:
+      raise RuntimeError(f"uvicorn did not start on port {port} within 30 s")
+    yield f"http://127.0.0.1:{port}"
+  finally:
+    server.should_exit = True
+    thread.join(timeout=30)

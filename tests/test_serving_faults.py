@@ -1,0 +1,187 @@
+"""The server on the fault space: overload, deadlines, bad clients, start-up.
+
+A fake scorer (a fixed cost per batch, scores a known function of each request)
+stands for the model, so that these run in seconds and every accepted answer can
+be checked. The real model's answers over HTTP are `test_serving.py`'s.
+"""
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from ikbo_jax.data.synthetic import ClickGenerator
+from ikbo_jax.models import Build, RankerConfig
+from ikbo_jax.serving import Batcher, BatchingConfig, Bucket
+from ikbo_jax.serving.batcher import DeadlineExceeded, Overloaded
+from ikbo_jax.serving.http import HttpLimits, create_app
+from ikbo_jax.testing import loopback
+
+CONFIG = RankerConfig(num_items=300, max_history=16)
+_FIELDS = ("user_dense", "history", "cand_items", "cand_dense")
+
+
+class SlowScorer:
+  """`seconds` per batch; each candidate's score is its item id / 1000 (NaN for item 299)."""
+
+  config, build = CONFIG, Build.IKBO
+  buckets = (Bucket(64, 8, 16),)
+
+  def __init__(self, seconds: float = 0.01):
+    self.seconds, self.seen = seconds, []
+
+  @property
+  def largest(self):
+    return self.buckets[-1]
+
+  def bucket_for(self, requests):
+    return self.largest if self.largest.fits(requests) else None
+
+  def __call__(self, requests):
+    time.sleep(self.seconds)
+    self.seen.extend(requests)
+    return [np.where(r.cand_items == 299, np.nan, r.cand_items / 1000) for r in requests]
+
+
+def _requests(count, start=0):
+  gen = ClickGenerator(CONFIG, seed=3, mean_candidates=4, max_candidates=12)
+  return [dataclasses.replace(r, cand_items=np.minimum(r.cand_items, 298))
+          for r in gen.requests(count, start)]
+
+
+def _body(request) -> dict:
+  return {f: np.asarray(getattr(request, f)).tolist() for f in _FIELDS}
+
+
+def test_the_queue_bound_counts_candidates_and_refuses_before_queueing():
+  model = SlowScorer(seconds=0.05)
+  requests = _requests(40)
+
+  async def run():
+    config = BatchingConfig(max_queued_candidates=30, max_in_flight=1, default_timeout_ms=60e3)
+    async with Batcher(model, config) as batcher:
+      results = await asyncio.gather(*(batcher.score(r) for r in requests),
+                                     return_exceptions=True)
+      return results, batcher.refused
+
+  results, refused = asyncio.run(run())
+  overloaded = [r for r in results if isinstance(r, Overloaded)]
+  assert overloaded and refused == len(overloaded)
+  assert "30" in str(overloaded[0]) and "retry later" in str(overloaded[0])
+  answered = [(q, r) for q, r in zip(requests, results) if isinstance(r, np.ndarray)]
+  assert len(answered) + len(overloaded) == len(requests)
+  for request, scores in answered:
+    np.testing.assert_array_equal(scores, request.cand_items / 1000)
+  assert len(model.seen) == len(answered)  # refused requests were never computed
+
+
+def test_a_request_past_its_deadline_in_the_queue_is_never_computed():
+  model = SlowScorer(seconds=0.2)
+  requests = _requests(6)
+
+  async def run():
+    async with Batcher(model, BatchingConfig(max_batch_requests=1, max_in_flight=1)) as batcher:
+      first = asyncio.create_task(batcher.score(requests[0], timeout_ms=5e3))
+      await asyncio.sleep(0.05)  # the first batch is with the model
+      rest = await asyncio.gather(*(batcher.score(r, timeout_ms=50) for r in requests[1:]),
+                                  return_exceptions=True)
+      return await first, rest, batcher.timed_out
+
+  first, rest, timed_out = asyncio.run(run())
+  np.testing.assert_array_equal(first, requests[0].cand_items / 1000)
+  assert all(isinstance(r, DeadlineExceeded) for r in rest) and timed_out == 5
+  assert [r.cand_items.tolist() for r in model.seen] == [requests[0].cand_items.tolist()]
+
+
+def test_bad_clients_get_a_status_and_no_traceback(caplog):
+  body = _body(_requests(1)[0])
+  limits = HttpLimits(max_body_bytes=20_000, max_candidates=20)
+  caplog.set_level(logging.INFO)
+  with (loopback.serving(create_app(SlowScorer(0.0), limits=limits), log_config=None) as url,
+        httpx.Client(base_url=url, timeout=30) as client):
+    post = lambda **kw: client.post("/score", **kw)
+    json_type = {"content-type": "application/json"}
+    cases = {
+        415: post(content=b"{}", headers={"content-type": "text/plain"}),
+        413: post(content=b"[" * 30_000, headers=json_type),
+        400: post(content=b"[" * 10_000 + b"]" * 10_000, headers=json_type),
+    }
+    assert post(json={**body, "cand_items": list(range(21)),
+                      "cand_dense": [[0.0] * CONFIG.cand_dense] * 21}).status_code == 413
+    assert post(content=b'{"user_dense": [' + b"9" * 5000 + b"]}",
+                headers=json_type).status_code == 400
+    assert post(content=b'{"user_dense": [NaN]}', headers=json_type).status_code == 400
+    nan = post(json={**body, "cand_items": [299] + body["cand_items"][1:]})
+    assert nan.status_code == 422 and "not finite" in nan.json()["error"]
+    assert post(json=body, headers={"x-timeout-ms": "soon"}).status_code == 400
+    for status, response in cases.items():
+      assert response.status_code == status, (status, response.text)
+      assert response.json()["error"]
+    assert post(json=body).status_code == 200
+  assert "Traceback" not in caplog.text
+
+
+def test_overload_over_http_answers_every_request_and_resets_none():
+  """Offered far past capacity: each request gets 200 (right scores), 429 or 503; none is reset."""
+  model = SlowScorer(seconds=0.02)
+  batching = BatchingConfig(max_queued_candidates=48, max_in_flight=1, default_timeout_ms=150)
+  requests = _requests(300, start=1000)
+
+  async def offer(url):
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
+      return await asyncio.gather(*(client.post("/score", json=_body(r)) for r in requests),
+                                  return_exceptions=True)
+
+  with loopback.serving(create_app(model, batching), backlog=1024) as url:
+    responses = asyncio.run(offer(url))
+    after = httpx.post(f"{url}/score", json=_body(requests[0]), timeout=30)
+    metrics = httpx.get(f"{url}/metrics").text
+  failures = [r for r in responses if isinstance(r, Exception)]
+  assert not failures, failures[:3]  # no reset, no timeout: every request got a status
+  statuses = [r.status_code for r in responses]
+  assert set(statuses) <= {200, 429, 503} and statuses.count(200) >= 10
+  assert statuses.count(429) + statuses.count(503) > 0
+  for request, response in zip(requests, responses):
+    if response.status_code == 200:
+      np.testing.assert_allclose(response.json()["scores"], request.cand_items / 1000)
+    else:
+      assert response.headers["retry-after"] == "1"
+  assert after.status_code == 200  # recovered once the load dropped
+  assert 'ikbo_refused_total{reason="overloaded"}' in metrics or (
+      'ikbo_refused_total{reason="deadline"}' in metrics)
+  assert "ikbo_batch_candidates_bucket" in metrics
+
+
+def test_not_ready_until_the_model_is_built():
+  release = threading.Event()
+
+  def build():
+    release.wait(30)
+    return SlowScorer(0.0)
+
+  body = _body(_requests(1)[0])
+  with loopback.serving(create_app(build)) as url, httpx.Client(base_url=url) as client:
+    assert client.get("/health/live").status_code == 200
+    assert client.get("/health/ready").status_code == 503
+    starting = client.post("/score", json=body)
+    assert starting.status_code == 503 and starting.headers["retry-after"] == "1"
+    release.set()
+    deadline = time.time() + 30
+    while client.get("/health/ready").status_code != 200 and time.time() < deadline:
+      time.sleep(0.02)
+    assert client.post("/score", json=body).status_code == 200
+    health = client.get("/health").json()
+    assert health["request"]["fields"]["cand_dense"].startswith("float[n, ")
+
+
+@pytest.mark.parametrize("name, value", [("max_queued_candidates", 0),
+                                         ("default_timeout_ms", 0)])
+def test_admission_arguments_are_checked(name, value):
+  with pytest.raises(ValueError, match=name):
+    BatchingConfig(**{name: value})
