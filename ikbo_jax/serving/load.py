@@ -82,10 +82,10 @@ def format_row(name: str, stats: dict) -> str:
   answers after the last request was sent, so it reads below the offered rate
   even when every request is answered.
   """
+  kinds = ", ".join(f"{n} {kind}" for kind, n in stats.get("errors_by_kind", {}).items())
   return (f"{name:>9}: {stats['requests']} requests sent at {stats['offered_qps']:.0f}/s "
-          f"(target {stats['target_qps']:.0f}/s), {stats['answered']} answered "
-          f"({stats['errors']} not: {stats.get('errors_by_kind') or 'none'}) in "
-          f"{stats['seconds']:.1f} s; latency "
+          f"(target {stats['target_qps']:.0f}/s), {stats['answered']} answered"
+          f"{f' ({kinds})' if kinds else ''} in {stats['seconds']:.1f} s; latency "
           f"p50 {stats['p50_ms']:.1f} ms, p90 {stats['p90_ms']:.1f} ms, "
           f"p99 {stats['p99_ms']:.1f} ms")
 
