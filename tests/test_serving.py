@@ -146,8 +146,8 @@ def test_bucket_and_batching_arguments_are_checked(ranker, served):
 
 
 def test_http_endpoint_over_loopback(ranker, served):
-  with (loopback.serving(create_app(served)) as url,
-        httpx.Client(base_url=url, timeout=30) as client):
+  with (loopback.serving(create_app(served)) as served_at,
+        httpx.Client(base_url=served_at.url, timeout=30) as client):
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["build"] == "ikbo"
     request = _requests(1, start=300)[0]

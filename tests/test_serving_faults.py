@@ -8,6 +8,7 @@ be checked. The real model's answers over HTTP are `test_serving.py`'s.
 import asyncio
 import dataclasses
 import logging
+import socket
 import threading
 import time
 
@@ -20,6 +21,7 @@ from ikbo_jax.models import Build, RankerConfig
 from ikbo_jax.serving import Batcher, BatchingConfig, Bucket
 from ikbo_jax.serving.batcher import DeadlineExceeded, Overloaded
 from ikbo_jax.serving.http import HttpLimits, create_app
+from ikbo_jax.serving.protocol import guarded_h11
 from ikbo_jax.testing import loopback
 
 CONFIG = RankerConfig(num_items=300, max_history=16)
@@ -102,8 +104,9 @@ def test_bad_clients_get_a_status_and_no_traceback(caplog):
   body = _body(_requests(1)[0])
   limits = HttpLimits(max_body_bytes=20_000, max_candidates=20)
   caplog.set_level(logging.INFO)
-  with (loopback.serving(create_app(SlowScorer(0.0), limits=limits), log_config=None) as url,
-        httpx.Client(base_url=url, timeout=30) as client):
+  app = create_app(SlowScorer(0.0), limits=limits)
+  with (loopback.serving(app, log_config=None) as served_at,
+        httpx.Client(base_url=served_at.url, timeout=30) as client):
     post = lambda **kw: client.post("/score", **kw)
     json_type = {"content-type": "application/json"}
     cases = {
@@ -138,10 +141,10 @@ def test_overload_over_http_answers_every_request_and_resets_none():
       return await asyncio.gather(*(client.post("/score", json=_body(r)) for r in requests),
                                   return_exceptions=True)
 
-  with loopback.serving(create_app(model, batching), backlog=1024) as url:
-    responses = asyncio.run(offer(url))
-    after = httpx.post(f"{url}/score", json=_body(requests[0]), timeout=30)
-    metrics = httpx.get(f"{url}/metrics").text
+  with loopback.serving(create_app(model, batching), backlog=1024) as served_at:
+    responses = asyncio.run(offer(served_at.url))
+    after = httpx.post(f"{served_at.url}/score", json=_body(requests[0]), timeout=30)
+    metrics = httpx.get(f"{served_at.url}/metrics").text
   failures = [r for r in responses if isinstance(r, Exception)]
   assert not failures, failures[:3]  # no reset, no timeout: every request got a status
   statuses = [r.status_code for r in responses]
@@ -166,7 +169,8 @@ def test_not_ready_until_the_model_is_built():
     return SlowScorer(0.0)
 
   body = _body(_requests(1)[0])
-  with loopback.serving(create_app(build)) as url, httpx.Client(base_url=url) as client:
+  with (loopback.serving(create_app(build)) as served_at,
+        httpx.Client(base_url=served_at.url) as client):
     assert client.get("/health/live").status_code == 200
     assert client.get("/health/ready").status_code == 503
     starting = client.post("/score", json=body)
@@ -178,6 +182,61 @@ def test_not_ready_until_the_model_is_built():
     assert client.post("/score", json=body).status_code == 200
     health = client.get("/health").json()
     assert health["request"]["fields"]["cand_dense"].startswith("float[n, ")
+
+
+def test_shutdown_answers_what_is_in_flight_then_exits():
+  """Graceful drain (what SIGTERM starts): queued and running requests are all answered."""
+  model = SlowScorer(seconds=0.3)
+  requests = _requests(12, start=2000)
+  batching = BatchingConfig(max_batch_requests=4, max_in_flight=1, default_timeout_ms=10e3)
+
+  async def offer(served_at):
+    async with httpx.AsyncClient(base_url=served_at.url, timeout=30) as client:
+      sent = [asyncio.create_task(client.post("/score", json=_body(r))) for r in requests]
+      await asyncio.sleep(0.15)  # the first batch is with the model, the rest queued
+      served_at.server.should_exit = True
+      return await asyncio.gather(*sent, return_exceptions=True)
+
+  with loopback.serving(create_app(model, batching), timeout_graceful_shutdown=10) as served_at:
+    start = time.perf_counter()
+    responses = asyncio.run(offer(served_at))
+    served_at.thread.join(timeout=30)
+    took = time.perf_counter() - start
+  assert [getattr(r, "status_code", r) for r in responses] == [200] * len(requests)
+  for request, response in zip(requests, responses):
+    np.testing.assert_allclose(response.json()["scores"], request.cand_items / 1000)
+  assert not served_at.thread.is_alive() and took < 5
+
+
+def test_a_client_that_stops_sending_its_body_gets_408():
+  limits = HttpLimits(body_timeout_s=0.3)
+  with loopback.serving(create_app(SlowScorer(0.0), limits=limits)) as served_at:
+    host, port = served_at.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+      conn.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: 1000\r\n\r\n{\"user_dense\": [")
+      reply = conn.recv(4096).decode()
+  assert reply.startswith("HTTP/1.1 408") and "did not arrive" in reply
+
+
+@pytest.mark.parametrize("drip", [False, True], ids=["idle", "one_byte_at_a_time"])
+def test_a_connection_without_a_request_head_is_closed(drip):
+  app = create_app(SlowScorer(0.0))
+  with loopback.serving(app, http=guarded_h11(0.4)) as served_at:
+    host, port = served_at.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+      start = time.perf_counter()
+      try:
+        for byte in b"POST /score HTTP/1.1\r\n" if drip else b"":
+          conn.sendall(bytes([byte]))
+          time.sleep(0.05)
+        closed = conn.recv(1) == b""
+      except (ConnectionResetError, BrokenPipeError):
+        closed = True
+      took = time.perf_counter() - start
+    with httpx.Client(base_url=served_at.url) as client:  # others are served meanwhile
+      assert client.get("/health/live").status_code == 200
+  assert closed and took < 3
 
 
 @pytest.mark.parametrize("name, value", [("max_queued_candidates", 0),

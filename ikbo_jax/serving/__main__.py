@@ -12,8 +12,10 @@ and the server reports ready when they are done.
 Overload is answered, never dropped: the batcher refuses requests past its
 queue bounds (429) and answers those whose deadline passed in the queue (503);
 uvicorn answers 503 past `--max-connections`, and its accept backlog holds the
-connections it has not yet accepted. On SIGTERM it stops accepting, answers
-what is in flight, and exits within `--drain-seconds`.
+connections it has not yet accepted. A connection must complete each request
+head within `--head-seconds` (idle and drip-feeding clients cannot hold sockets).
+On SIGTERM it stops accepting, answers what is in flight, and exits within
+`--drain-seconds`.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ def main(argv=None) -> None:
                       help="the socket's accept backlog (connections not yet accepted)")
   parser.add_argument("--idle-seconds", type=int, default=5,
                       help="an idle keep-alive connection is closed after this long")
+  parser.add_argument("--head-seconds", type=float, default=10.0,
+                      help="a connection that has not sent a whole request head this long "
+                           "after opening (or after its last response) is closed")
   parser.add_argument("--drain-seconds", type=int, default=10,
                       help="on SIGTERM, how long in-flight requests may take to finish")
   parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -73,6 +78,7 @@ def _serve(args, parser) -> None:
   from ikbo_jax.serving.buckets import BucketedModel, default_buckets
   from ikbo_jax.serving.devices import DeviceSet
   from ikbo_jax.serving.http import HttpLimits, create_app
+  from ikbo_jax.serving.protocol import guarded_h11
 
   config = PRESETS[args.preset]()
   if not 1 <= args.devices <= len(jax.local_devices()):
@@ -101,7 +107,8 @@ def _serve(args, parser) -> None:
                             max_in_flight=args.max_in_flight or 2 * args.devices,
                             default_timeout_ms=args.timeout_ms)
   app = create_app(build_model, batching, HttpLimits(max_body_bytes=args.max_body_bytes))
-  uvicorn.run(app, host=args.host, port=args.port, backlog=args.backlog,
+  uvicorn.run(app, host=args.host, port=args.port, http=guarded_h11(args.head_seconds),
+              backlog=args.backlog,
               limit_concurrency=args.max_connections, timeout_keep_alive=args.idle_seconds,
               timeout_graceful_shutdown=args.drain_seconds)
 

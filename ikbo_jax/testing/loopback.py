@@ -7,13 +7,20 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import uvicorn
 
 
+class Loopback(NamedTuple):
+  url: str  # the base URL
+  server: uvicorn.Server  # `server.should_exit = True` starts its graceful shutdown, as SIGTERM
+  thread: threading.Thread
+
+
 @contextlib.contextmanager
-def serving(app, **config) -> Iterator[str]:
-  """Runs `app` until the block ends; yields its base URL. `config` goes to `uvicorn.Config`."""
+def serving(app, **config) -> Iterator[Loopback]:
+  """Runs `app` until the block ends. `config` goes to `uvicorn.Config`."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -27,7 +34,7 @@ def serving(app, **config) -> Iterator[str]:
       time.sleep(0.02)
     if not server.started:
       raise RuntimeError(f"uvicorn did not start on port {port} within 30 s")
-    yield f"http://127.0.0.1:{port}"
+    yield Loopback(f"http://127.0.0.1:{port}", server, thread)
   finally:
     server.should_exit = True
     thread.join(timeout=30)
