@@ -7,10 +7,12 @@ Three measurements, each for both builds in the same run:
 1. inference: the jitted forward at B candidates of U = B / ratio users, for
    every (B, ratio) asked (default B in {256, 1024, 4096}, ratio in {10, 70, 500});
 2. training: one optimizer step (forward, backward, AdamW) at B=1024, ratio 70;
-3. serving: a Poisson stream through the batcher and the compiled buckets at
-   rising rates; the highest rate whose p99 latency stays within the budget
-   (default 20 ms on a GPU, 100 ms with --small) and whose answered rate is at
-   least 90% of the offered one.
+3. serving: where one call's time goes (pack, host -> device, execute, fetch;
+   one request and a full batch, each stage waited for), the device-bound rate
+   (full batches back to back), then a Poisson stream through the batcher and
+   the compiled buckets at rising rates; the highest rate whose p99 latency
+   stays within the budget (default 20 ms on a GPU, 100 ms with --small) and
+   whose answered rate is at least 90% of the offered one.
 Times are medians (CUPTI kernel time on a GPU, wall clock elsewhere; serving is
 always wall clock, end to end).
 """
@@ -19,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+
 import jax
+import numpy as np
 import optax
 from flax import nnx
 
@@ -93,6 +97,22 @@ async def _load(served, requests, rate, max_seconds, max_in_flight):
     return await run_load(batcher.score, requests, qps=rate, max_seconds=max_seconds)
 
 
+def served_users(buckets) -> int:
+  """Requests in a full batch: the user slots of the largest bucket."""
+  return max(buckets).num_users
+
+
+def call_breakdown(served, requests, iterations: int) -> dict:
+  """Median ms of each stage of a call (pack, transfer, execute, fetch), each waited for."""
+  served.call_breakdown(requests)  # off the clock: first transfers
+  runs = [served.call_breakdown(requests) for _ in range(iterations)]
+  row = {stage: 1e3 * float(np.median([r[stage] for r in runs])) for stage in runs[0]}
+  row["total"] = 1e3 * float(np.median([sum(r.values()) for r in runs]))
+  row.update(requests=len(requests), candidates=sum(r.num_candidates for r in requests),
+             bucket=str(served.bucket_for(requests)))
+  return row
+
+
 def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
             seconds_per_rate, num_buckets, max_in_flight) -> dict:
   gen = ClickGenerator(config, seed=3, mean_candidates=mean_candidates,
@@ -105,8 +125,18 @@ def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
   out = dict(budget_p99_ms=budget_ms, mean_candidates=mean_candidates,
              max_in_flight=max_in_flight,
              buckets=[(b.num_candidates, b.num_users, b.history_slots) for b in buckets])
+  full = requests[:served_users(buckets)]
   for build in BUILDS:
     served = BucketedModel(model, buckets, build)
+    breakdown = {"one_request": call_breakdown(served, requests[:1], 50),
+                 "full_batch": call_breakdown(served, full, 50)}
+    # What the device alone would allow: full batches back to back.
+    device_bound = len(full) / (breakdown["full_batch"]["execute"] / 1e3)
+    print(f"{build}: one request {breakdown['one_request']['total']:.2f} ms "
+          f"(execute {breakdown['one_request']['execute']:.2f}), full batch "
+          f"{breakdown['full_batch']['total']:.2f} ms (execute "
+          f"{breakdown['full_batch']['execute']:.2f}); device-bound {device_bound:.0f}/s",
+          flush=True)
     ladder, sustained = [], 0.0
     for rate in rates:
       stats = asyncio.run(_load(served, requests[:count(rate)], rate, 30.0, max_in_flight))
@@ -116,7 +146,9 @@ def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
       if stats["p99_ms"] > budget_ms or stats["achieved_qps"] < 0.9 * stats["offered_qps"]:
         break
       sustained = rate
-    out[build] = dict(sustained_qps=sustained, ladder=ladder)
+    out[build] = dict(sustained_qps=sustained, ladder=ladder, breakdown=breakdown,
+                      device_bound_qps=device_bound,
+                      sustained_fraction_of_device_bound=sustained / device_bound)
   out["qps_ratio"] = out["ikbo"]["sustained_qps"] / max(out["standard"]["sustained_qps"], 1e-9)
   return out
 

@@ -52,6 +52,10 @@ def test_small_results_are_complete(small_run):
       assert row["ikbo"]["ms"] > 0 and row["standard"]["ms"] > 0 and row["speedup"] > 0
     serving = result["serving"]
     assert serving["ikbo"]["ladder"] and serving["standard"]["ladder"]
+    for build in ("ikbo", "standard"):
+      stages = serving[build]["breakdown"]["one_request"]
+      assert all(stages[s] > 0 for s in ("pack", "transfer", "execute", "fetch"))
+      assert serving[build]["device_bound_qps"] > 0
     assert all(s["errors"] == 0 for s in serving["ikbo"]["ladder"])
   elif name == "rewrite":
     cases = result["cases"]

@@ -5,11 +5,14 @@ candidate slots and `history_slots` history positions. Each bucket's
 executable is compiled ahead of time (`jax.jit(...).lower(...).compile()`),
 so serving never compiles: a batch must be packed into one of the buckets,
 and an executable called with any other shape raises instead of recompiling.
+A batch goes to the device as one flat buffer (`transfer.FlatLayout`): one
+transfer per batch instead of one per field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -19,7 +22,8 @@ import numpy as np
 from flax import nnx
 
 from ikbo_jax.data import Request, pack_requests
-from ikbo_jax.models import Build, Ranker, RankerConfig, RankingBatch, scores
+from ikbo_jax.models import Build, Ranker, RankerConfig, scores
+from ikbo_jax.serving.transfer import FlatLayout
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -82,18 +86,22 @@ class BucketedModel:
     self.buckets = tuple(sorted(set(buckets)))
     graphdef, state = nnx.split(model)
 
-    def probabilities(state, batch: RankingBatch) -> jax.Array:
+    def probabilities(layout: FlatLayout, state, flat: jax.Array) -> jax.Array:
       model = nnx.merge(graphdef, state)
-      return jax.nn.sigmoid(scores(model, batch, build))
+      return jax.nn.sigmoid(scores(model, layout.unflatten(flat), build))
 
     self.device = device or jax.devices()[0]
     self._placement = jax.sharding.SingleDeviceSharding(self.device)
     self._state = jax.device_put(state, self._placement)
-    self._executables = {}
+    self._executables, self._layouts = {}, {}
     for bucket in self.buckets:
       start = time.perf_counter()
+      layout = FlatLayout.of(config, bucket.num_users, bucket.num_candidates,
+                             bucket.history_slots)
+      flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self._placement)
+      self._layouts[bucket] = layout
       self._executables[bucket] = (
-          jax.jit(probabilities).lower(self._state, self._example(bucket)).compile())
+          jax.jit(functools.partial(probabilities, layout)).lower(self._state, flat).compile())
       if on_compiled is not None:
         on_compiled(bucket, time.perf_counter() - start)
 
@@ -107,6 +115,30 @@ class BucketedModel:
 
   def __call__(self, requests: Sequence[Request]) -> list[np.ndarray]:
     """Each request's click probabilities, in its candidate order (validated requests)."""
+    bucket, host = self._pack(requests)
+    probabilities = self._executables[bucket](self._state, jax.device_put(host, self._placement))
+    return _per_request(np.asarray(probabilities), requests)
+
+  def call_breakdown(self, requests: Sequence[Request]) -> dict[str, float]:
+    """Seconds of each stage of one call, each waited for: pack, transfer, execute, fetch.
+
+    The stages overlap in a plain call; this one separates them to show where a
+    call's time goes (`benchmarks/ranking_system.py`).
+    """
+    times = [time.perf_counter()]
+    bucket, host = self._pack(requests)
+    times.append(time.perf_counter())
+    flat = jax.block_until_ready(jax.device_put(host, self._placement))
+    times.append(time.perf_counter())
+    probabilities = jax.block_until_ready(self._executables[bucket](self._state, flat))
+    times.append(time.perf_counter())
+    _per_request(np.asarray(probabilities), requests)
+    times.append(time.perf_counter())
+    stages = ("pack", "transfer", "execute", "fetch")
+    return {stage: b - a for stage, a, b in zip(stages, times[:-1], times[1:])}
+
+  def _pack(self, requests: Sequence[Request]) -> tuple[Bucket, np.ndarray]:
+    """The bucket `requests` go to, and their host buffer (one flat array)."""
     bucket = self.bucket_for(requests)
     if bucket is None:
       raise ValueError(f"{len(requests)} requests with {sum(r.num_candidates for r in requests)} "
@@ -114,20 +146,9 @@ class BucketedModel:
     batch = pack_requests(requests, self.config, num_users=bucket.num_users,
                           num_candidates=bucket.num_candidates,
                           history_slots=bucket.history_slots)
-    batch = jax.device_put(batch, self._placement)
-    scores = np.asarray(self._executables[bucket](self._state, batch))
-    offsets = np.cumsum([0] + [r.num_candidates for r in requests])
-    return [scores[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+    return bucket, self._layouts[bucket].flatten(batch)
 
-  def _example(self, bucket: Bucket) -> RankingBatch:
-    c = self.config
-    shape = lambda *s, dtype=jnp.float32: jax.ShapeDtypeStruct(s, dtype,
-                                                                sharding=self._placement)
-    return RankingBatch(
-        user_dense=shape(bucket.num_users, c.user_dense),
-        history=shape(bucket.num_users, bucket.history_slots, dtype=jnp.int32),
-        history_len=shape(bucket.num_users, dtype=jnp.int32),
-        cand_to_user=shape(bucket.num_candidates, dtype=jnp.int32),
-        cand_items=shape(bucket.num_candidates, dtype=jnp.int32),
-        cand_dense=shape(bucket.num_candidates, c.cand_dense),
-        labels=shape(bucket.num_candidates))
+
+def _per_request(probabilities: np.ndarray, requests: Sequence[Request]) -> list[np.ndarray]:
+  offsets = np.cumsum([0] + [r.num_candidates for r in requests])
+  return [probabilities[a:b] for a, b in zip(offsets[:-1], offsets[1:])]

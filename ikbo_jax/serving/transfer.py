@@ -1,0 +1,64 @@
+"""One host-to-device transfer per batch: a packed batch as one flat `int32` buffer.
+
+A `RankingBatch` is six arrays, and moving them one by one costs one transfer
+(and its fixed latency) each. Every field is 4 bytes wide, so the host lays
+them end to end in one `int32` buffer (float32 fields by their bits) and the
+compiled executable slices them apart again (`unflatten`, a few free ops inside
+`jit`). Labels are not sent: serving scores, it does not train.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ikbo_jax.models import RankerConfig, RankingBatch
+
+_FLOATS = ("user_dense", "cand_dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatLayout:
+  """Where each field of a batch of one shape lies in the flat buffer."""
+
+  fields: tuple[tuple[str, tuple[int, ...]], ...]
+
+  @classmethod
+  def of(cls, config: RankerConfig, num_users: int, num_candidates: int,
+         history_slots: int) -> FlatLayout:
+    return cls((("user_dense", (num_users, config.user_dense)),
+                ("history", (num_users, history_slots)),
+                ("history_len", (num_users,)),
+                ("cand_to_user", (num_candidates,)),
+                ("cand_items", (num_candidates,)),
+                ("cand_dense", (num_candidates, config.cand_dense))))
+
+  @property
+  def size(self) -> int:
+    return sum(int(np.prod(shape)) for _, shape in self.fields)
+
+  def flatten(self, batch: RankingBatch) -> np.ndarray:
+    """The host buffer of a packed (NumPy) batch."""
+    parts = []
+    for name, shape in self.fields:
+      x = np.asarray(getattr(batch, name))
+      if x.shape != shape:
+        raise ValueError(f"{name} has shape {x.shape}, the layout {shape}")
+      parts.append(np.ascontiguousarray(x, np.float32 if name in _FLOATS else np.int32)
+                   .reshape(-1).view(np.int32))
+    return np.concatenate(parts)
+
+  def unflatten(self, flat: jax.Array) -> RankingBatch:
+    """The batch again, from the flat buffer (traced inside the executable)."""
+    fields, start = {}, 0
+    for name, shape in self.fields:
+      size = int(np.prod(shape))
+      x = lax.slice(flat, (start,), (start + size,)).reshape(shape)
+      fields[name] = lax.bitcast_convert_type(x, jnp.float32) if name in _FLOATS else x
+      start += size
+    labels = jnp.zeros(fields["cand_items"].shape, jnp.float32)
+    return RankingBatch(**fields, labels=labels)
