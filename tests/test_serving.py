@@ -18,6 +18,7 @@ from ikbo_jax.models import Build, Ranker, RankerConfig
 from ikbo_jax.serving import Batcher, BatchingConfig, Bucket, BucketedModel, DeviceSet, Scorer
 from ikbo_jax.serving.http import create_app
 from ikbo_jax.serving.load import run_load
+from ikbo_jax.serving.transfer import FlatLayout
 from ikbo_jax.testing import loopback
 
 CONFIG = RankerConfig(num_items=300, max_history=16)
@@ -185,3 +186,18 @@ def test_both_served_models_are_scorers(ranker, served):
   assert isinstance(device_set, Scorer) and device_set.build is Build.STANDARD
   with pytest.raises(ValueError, match="build must be one of"):
     BucketedModel(ranker, BUCKETS, "fast")
+
+
+def test_a_batch_crosses_as_one_flat_buffer_and_comes_back_bit_for_bit():
+  requests = [r.validated(CONFIG) for r in _requests(3, start=500)]
+  batch = pack_requests(requests, CONFIG, num_users=4, num_candidates=48, history_slots=16)
+  layout = FlatLayout.of(CONFIG, num_users=4, num_candidates=48, history_slots=16)
+  flat = layout.flatten(batch)
+  assert flat.dtype == np.int32 and flat.shape == (layout.size,)
+  back = jax.jit(layout.unflatten)(flat)
+  for name, _ in layout.fields:
+    expected = np.asarray(getattr(batch, name))
+    assert np.asarray(getattr(back, name)).dtype == expected.dtype, name
+    np.testing.assert_array_equal(np.asarray(getattr(back, name)), expected, err_msg=name)
+  with pytest.raises(ValueError, match="history has shape"):
+    FlatLayout.of(CONFIG, 4, 48, 8).flatten(batch)
