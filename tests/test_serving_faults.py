@@ -6,6 +6,7 @@ be checked. The real model's answers over HTTP are `test_serving.py`'s.
 """
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import socket
@@ -17,8 +18,9 @@ import numpy as np
 import pytest
 
 from ikbo_jax.data.synthetic import ClickGenerator
+from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.models import Build, RankerConfig
-from ikbo_jax.serving import Batcher, BatchingConfig, Bucket
+from ikbo_jax.serving import Batcher, BatchingConfig, Bucket, http_load
 from ikbo_jax.serving.batcher import DeadlineExceeded, Overloaded
 from ikbo_jax.serving.http import HttpLimits, create_app
 from ikbo_jax.serving.protocol import guarded_h11
@@ -237,6 +239,44 @@ def test_a_connection_without_a_request_head_is_closed(drip):
     with httpx.Client(base_url=served_at.url) as client:  # others are served meanwhile
       assert client.get("/health/live").status_code == 200
   assert closed and took < 3
+
+
+def test_requests_past_the_active_bound_get_429_before_their_body_is_read():
+  model = SlowScorer(seconds=0.2)
+  limits = HttpLimits(max_active=2)
+  requests = _requests(6, start=3000)
+
+  async def offer(url):
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+      return await asyncio.gather(*(client.post("/score", json=_body(r)) for r in requests))
+
+  with loopback.serving(create_app(model, limits=limits)) as served_at:
+    responses = asyncio.run(offer(served_at.url))
+  statuses = sorted(r.status_code for r in responses)
+  assert statuses.count(200) >= 2 and set(statuses) == {200, 429}, statuses
+  busy = next(r for r in responses if r.status_code == 429)
+  assert "2 requests are being served" in busy.json()["error"]
+
+
+def test_the_load_generator_counts_refusals_by_kind_from_several_processes():
+  model = SlowScorer(seconds=0.02)
+  batching = BatchingConfig(max_queued_candidates=24, max_in_flight=1)
+  requests = _requests(120, start=4000)
+  with loopback.serving(create_app(model, batching)) as served_at:
+    stats = http_load.over_http(served_at.url, requests, qps=2000, processes=2, connections=32)
+  assert stats["requests"] == 120 and stats["answered"] + stats["errors"] == 120
+  assert stats["answered"] > 0 and set(stats["errors_by_kind"]) <= {"429", "503"}
+
+
+def test_a_serving_trace_brings_popular_users_back():
+  gen = ClickGenerator(CONFIG, seed=3, mean_candidates=4, max_candidates=40)
+  trace = serving_trace(gen, 400, num_users=1000, large_share=0.1)
+  users = collections.Counter(r.user_dense.tobytes() for r in trace)
+  assert users.most_common(1)[0][1] >= 20 and len(users) > 100  # a head and a long tail
+  same_user = [r for r in trace if r.user_dense.tobytes() == users.most_common(1)[0][0]]
+  assert all(np.array_equal(r.history, same_user[0].history) for r in same_user)
+  assert len({r.cand_items.tobytes() for r in same_user}) > 1  # fresh candidates each time
+  assert max(r.num_candidates for r in trace) > 3 * np.median([r.num_candidates for r in trace])
 
 
 @pytest.mark.parametrize("name, value", [("max_queued_candidates", 0),

@@ -50,6 +50,9 @@ def main(argv=None) -> None:
                       help="a request's deadline unless its X-Timeout-Ms header sets one")
   parser.add_argument("--max-body-bytes", type=int, default=8 << 20,
                       help="the largest request body (413 beyond)")
+  parser.add_argument("--max-active", type=int, default=256,
+                      help="POST /score requests being read, parsed or scored at once "
+                           "beyond which requests get 429 before their body is read")
   parser.add_argument("--max-connections", type=int, default=2048,
                       help="open connections beyond which uvicorn answers 503")
   parser.add_argument("--backlog", type=int, default=4096,
@@ -106,7 +109,8 @@ def _serve(args, parser) -> None:
                             max_queued_candidates=args.max_queued_candidates,
                             max_in_flight=args.max_in_flight or 2 * args.devices,
                             default_timeout_ms=args.timeout_ms)
-  app = create_app(build_model, batching, HttpLimits(max_body_bytes=args.max_body_bytes))
+  app = create_app(build_model, batching, HttpLimits(max_body_bytes=args.max_body_bytes,
+                                                         max_active=args.max_active))
   uvicorn.run(app, host=args.host, port=args.port, http=guarded_h11(args.head_seconds),
               backlog=args.backlog,
               limit_concurrency=args.max_connections, timeout_keep_alive=args.idle_seconds,

@@ -52,6 +52,10 @@ class HttpLimits:
     body_timeout_s: how long the body may take to arrive (408 beyond).
     max_int_digits: the longest integer literal in the JSON (400 beyond).
     retry_after_s: the `Retry-After` of a 429 or 503.
+    max_active: `POST /score` requests being read, parsed or scored at once; one
+      more is answered 429 before its body is read. The batcher's bounds hold
+      what waits for the model; this one holds what waits for the host (JSON,
+      the event loop), which is where an overloaded CPU-bound server queues.
   """
 
   max_body_bytes: int = 8 << 20
@@ -59,6 +63,7 @@ class HttpLimits:
   body_timeout_s: float = 10.0
   max_int_digits: int = 19
   retry_after_s: int = 1
+  max_active: int = 256
 
 
 class _Refusal(Exception):
@@ -78,6 +83,7 @@ def create_app(model: Scorer | Callable[[], Scorer], batching: BatchingConfig = 
   ready until it is done.
   """
   metrics = ServingMetrics()
+  active = 0  # POST /score requests in the handler now
 
   @contextlib.asynccontextmanager
   async def lifespan(app: Starlette):
@@ -99,8 +105,13 @@ def create_app(model: Scorer | Callable[[], Scorer], batching: BatchingConfig = 
         starting.cancel()
 
   async def score(http_request: HttpRequest) -> Response:
+    nonlocal active
     start = time.perf_counter()
+    active += 1
     try:
+      if active > limits.max_active:
+        raise _Refusal(429, f"{limits.max_active} requests are being served; retry later",
+                       retry=True)
       response = JSONResponse({"scores": await _score(http_request, limits)})
     except _Refusal as refusal:
       if refusal.status in (429, 503):
@@ -113,6 +124,8 @@ def create_app(model: Scorer | Callable[[], Scorer], batching: BatchingConfig = 
     except Exception as e:  # a defect of ours: one line in the log, no traceback
       _LOG.error("POST /score failed: %s: %s", type(e).__name__, e)
       response = JSONResponse({"error": f"internal error ({type(e).__name__})"}, status_code=500)
+    finally:
+      active -= 1
     metrics.request_seconds.labels("/score", str(response.status_code)).observe(
         time.perf_counter() - start)
     return response

@@ -1,15 +1,17 @@
 """Load: a Poisson request stream at a target rate against any scorer, and its latency percentiles.
 
-`run_load` drives one async `score(request)`; `compare_builds` serves both
-builds of one model (IKBO and standard) through the batcher in turn;
-`over_http` drives a running server. `python -m ikbo_jax.serving.loadgen` is
-the command line over them.
+`run_load` drives one async `score(request)` open loop (Poisson arrivals,
+never waiting for answers) and counts failures by kind; `compare_builds`
+serves both builds of one model (IKBO and standard) through the batcher in
+turn; `http_load.over_http` drives a running server from several processes.
+`python -m ikbo_jax.serving.loadgen` is the command line over them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -30,49 +32,78 @@ class Refused(Exception):
     self.kind = kind
 
 
-async def run_load(score: Callable[[Request], Awaitable], requests: Sequence[Request], *,
-                   qps: float, seed: int = 0, max_seconds: float = 60.0) -> dict:
-  """Sends `requests` at Poisson arrivals of rate `qps`; latency stats of those answered."""
-  gaps = np.random.default_rng(seed).exponential(1.0 / qps, size=len(requests))
-  loop = asyncio.get_running_loop()
-  start = loop.time()
-  latencies, errors = [], collections.Counter()
+@dataclasses.dataclass
+class Tally:
+  """What one open-loop client saw (several clients' tallies merge in `summarize`)."""
 
-  async def one(request: Request) -> None:
+  latencies_ms: list[float] = dataclasses.field(default_factory=list)  # of answered requests
+  errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  sent: int = 0
+  candidates: int = 0
+  seconds: float = 0.0
+  last_arrival: float = 0.0
+
+
+def _kind(error: Exception) -> str:
+  """How a request failed: the refusal's kind, or the exception's type (resets, timeouts)."""
+  kinds = {RequestError: "bad_request", Overloaded: "overloaded", DeadlineExceeded: "deadline"}
+  if isinstance(error, Refused):
+    return error.kind
+  return next((k for t, k in kinds.items() if isinstance(error, t)), type(error).__name__)
+
+
+async def drive(send: Callable[[object], Awaitable], items: Sequence, *, qps: float,
+                candidates: Sequence[int], seed: int = 0, max_seconds: float = 60.0) -> Tally:
+  """Sends each item at Poisson arrivals of rate `qps` (open loop: never waits for answers)."""
+  gaps = np.random.default_rng(seed).exponential(1.0 / qps, size=len(items))
+  loop = asyncio.get_running_loop()
+  start, tally = loop.time(), Tally()
+
+  async def one(item) -> None:
     sent = time.perf_counter()
     try:
-      await score(request)
-    except RequestError:
-      errors["bad_request"] += 1
-    except Overloaded:
-      errors["overloaded"] += 1
-    except DeadlineExceeded:
-      errors["deadline"] += 1
-    except Refused as e:
-      errors[e.kind] += 1
-    except (httpx.HTTPError, OSError) as e:  # resets, timeouts: counted, the run goes on
-      errors[type(e).__name__] += 1
+      await send(item)
+    except (RequestError, Overloaded, DeadlineExceeded, Refused, httpx.HTTPError,
+            OSError) as e:  # counted by kind; the run goes on
+      tally.errors[_kind(e)] += 1
     else:
-      latencies.append((time.perf_counter() - sent) * 1e3)
+      tally.latencies_ms.append((time.perf_counter() - sent) * 1e3)
 
-  tasks, last_arrival = [], 0.0
-  for request, arrival in zip(requests, np.cumsum(gaps)):
+  tasks = []
+  for item, count, arrival in zip(items, candidates, np.cumsum(gaps)):
     if arrival > max_seconds:
       break
     await asyncio.sleep(max(start + arrival - loop.time(), 0))
-    tasks.append(asyncio.create_task(one(request)))
-    last_arrival = arrival
+    tasks.append(asyncio.create_task(one(item)))
+    tally.sent, tally.last_arrival = tally.sent + 1, float(arrival)
+    tally.candidates += int(count)
   await asyncio.gather(*tasks)
-  elapsed = loop.time() - start
-  sent = requests[:len(tasks)]
+  tally.seconds = loop.time() - start
+  return tally
+
+
+def summarize(tallies: Sequence[Tally], qps: float) -> dict:
+  """Latency percentiles and counts over the tallies of clients that ran side by side."""
+  latencies = [x for t in tallies for x in t.latencies_ms]
+  errors = sum((t.errors for t in tallies), collections.Counter())
+  sent, elapsed = sum(t.sent for t in tallies), max(t.seconds for t in tallies)
+  last_arrival = max(t.last_arrival for t in tallies)
   p50, p90, p99 = (np.percentile(latencies, (50, 90, 99)) if latencies else (np.nan,) * 3)
   # The realized rate of this finite Poisson draw: what "keeping up" is judged against.
-  offered = len(tasks) / last_arrival if last_arrival > 0 else float(len(tasks))
-  return dict(target_qps=qps, offered_qps=offered, requests=len(tasks), answered=len(latencies),
+  offered = sent / last_arrival if last_arrival > 0 else float(sent)
+  return dict(target_qps=qps, offered_qps=offered, requests=sent, answered=len(latencies),
               errors=sum(errors.values()), errors_by_kind=dict(errors),
-              candidates=int(sum(r.num_candidates for r in sent)), seconds=elapsed,
+              candidates=sum(t.candidates for t in tallies), seconds=elapsed,
               achieved_qps=len(latencies) / elapsed, p50_ms=float(p50), p90_ms=float(p90),
               p99_ms=float(p99), mean_ms=float(np.mean(latencies)) if latencies else np.nan)
+
+
+async def run_load(score: Callable[[Request], Awaitable], requests: Sequence[Request], *,
+                   qps: float, seed: int = 0, max_seconds: float = 60.0) -> dict:
+  """Sends `requests` to `score` at Poisson arrivals of rate `qps`; stats of the answers."""
+  tally = await drive(score, requests, qps=qps, seed=seed, max_seconds=max_seconds,
+                      candidates=[r.num_candidates for r in requests])
+  return summarize([tally], qps)
 
 
 def format_row(name: str, stats: dict) -> str:
@@ -117,19 +148,3 @@ def compare_builds(model: Ranker, requests: Sequence[Request], *, qps: float,
                           buckets=[(b.num_candidates, b.num_users, b.history_slots)
                                    for b in served.buckets])
   return results
-
-
-async def over_http(url: str, requests: Sequence[Request], *, qps: float,
-                    max_seconds: float = 60.0) -> dict:
-  """`run_load` against the server at `url` (`POST /score`)."""
-  async with httpx.AsyncClient(base_url=url, timeout=30.0) as client:
-    async def score(request: Request):
-      body = {f: np.asarray(getattr(request, f)).tolist()
-              for f in ("user_dense", "history", "cand_items", "cand_dense")}
-      response = await client.post("/score", json=body)
-      if response.status_code == 400:
-        raise RequestError(response.json()["error"])
-      if response.status_code != 200:
-        raise Refused(str(response.status_code))
-      return response.json()["scores"]
-    return await run_load(score, requests, qps=qps, max_seconds=max_seconds)

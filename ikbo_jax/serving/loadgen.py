@@ -5,14 +5,16 @@
 
 In-process it serves both builds of one model (IKBO and standard) through the
 batcher in turn and prints p50/p90/p99 latency and throughput for each; with
-`--url` it drives a running server over HTTP. The stream is the synthetic one
-(`ikbo_jax.data.synthetic`): log-normal candidate counts around
-`--mean-candidates`. Bounded by `--requests` and `--max-seconds`.
+`--url` it drives a running server over HTTP from `--processes` client
+processes (`ikbo_jax.serving.http_load`). Arrivals are Poisson (open loop);
+failures are counted by kind (status, or the connection error). The requests
+are a serving trace (`ikbo_jax.data.trace`): Zipf-popular returning users over
+`--users`, candidate counts log-normal around `--mean-candidates` with a tail of
+large requests. Bounded by `--requests` and `--max-seconds`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 from ikbo_jax import __version__, _cli
@@ -30,7 +32,13 @@ def main(argv=None) -> dict:
                       help="stop sending after this long")
   parser.add_argument("--mean-candidates", type=float, default=8.0,
                       help="mean candidates per request (log-normal)")
+  parser.add_argument("--users", type=int, default=10_000,
+                      help="the returning-user population (Zipf popularity)")
   parser.add_argument("--url", help="drive a running server over HTTP instead")
+  parser.add_argument("--processes", type=int, default=1,
+                      help="client processes sending over HTTP (each qps / processes)")
+  parser.add_argument("--connections", type=int, default=256,
+                      help="connections per client process")
   parser.add_argument("--out", help="write the stats as JSON")
   return _run(parser.parse_args(argv))
 
@@ -40,16 +48,18 @@ def _run(args) -> dict:
   from flax import nnx
 
   from ikbo_jax.data.synthetic import ClickGenerator
+  from ikbo_jax.data.trace import serving_trace
   from ikbo_jax.models import Ranker
-  from ikbo_jax.serving.load import compare_builds, format_row, over_http
+  from ikbo_jax.serving.http_load import over_http
+  from ikbo_jax.serving.load import compare_builds, format_row
 
   config = PRESETS[args.preset]()
   gen = ClickGenerator(config, seed=1, mean_candidates=args.mean_candidates,
                        max_candidates=int(8 * args.mean_candidates))
-  requests = gen.requests(args.requests, start=2 * 10**9)
+  requests = serving_trace(gen, args.requests, num_users=args.users)
   if args.url:
-    results = {"http": asyncio.run(over_http(args.url, requests, qps=args.qps,
-                                             max_seconds=args.max_seconds))}
+    results = {"http": over_http(args.url, requests, qps=args.qps, max_seconds=args.max_seconds,
+                                 processes=args.processes, connections=args.connections)}
   else:
     model = Ranker(config, rngs=nnx.Rngs(0))
     results = compare_builds(model, requests, qps=args.qps, mean_candidates=args.mean_candidates,

@@ -1,0 +1,73 @@
+"""Open-loop load on a running server's `POST /score`, from several client processes.
+
+One Python process with one event loop tops out well below a server's rate
+(JSON and HTTP per request), and then measures itself. So the requests are
+serialized once, dealt round robin to `processes` spawned clients, and each
+client sends its share at `qps / processes` Poisson arrivals over up to
+`connections` connections; their tallies merge into one set of percentiles.
+Statuses other than 200 are counted by status, connection failures by type.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import multiprocessing
+from collections.abc import Sequence
+
+import httpx
+import numpy as np
+
+from ikbo_jax.data import Request, RequestError
+from ikbo_jax.serving.load import Refused, Tally, drive, summarize
+
+_FIELDS = ("user_dense", "history", "cand_items", "cand_dense")
+
+
+def body(request: Request) -> bytes:
+  """The JSON body of `request` for `POST /score`."""
+  return json.dumps({f: np.asarray(getattr(request, f)).tolist() for f in _FIELDS}).encode()
+
+
+def over_http(url: str, requests: Sequence[Request], *, qps: float, max_seconds: float = 60.0,
+              processes: int = 1, connections: int = 256) -> dict:
+  """Latency stats of `requests` sent to `url` at `qps`, from `processes` processes."""
+  if not (processes >= 1 and connections >= 1 and qps > 0):
+    raise ValueError(f"need processes >= 1, connections >= 1 and qps > 0, got {processes}, "
+                     f"{connections}, {qps}")
+  bodies = [body(r) for r in requests]
+  counts = [r.num_candidates for r in requests]
+  shares = [(url, bodies[p::processes], counts[p::processes], qps / processes, max_seconds,
+             connections, p) for p in range(processes)]
+  if processes == 1:
+    return summarize([_client(*shares[0])], qps)
+  # Spawned, not forked: the parent may hold jax's threads.
+  context = multiprocessing.get_context("spawn")
+  with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
+    tallies = list(pool.map(_client, *zip(*shares)))
+  return summarize(tallies, qps)
+
+
+def _client(url: str, bodies: list[bytes], counts: list[int], qps: float, max_seconds: float,
+            connections: int, seed: int) -> Tally:
+  """One client process: its share of the requests, open loop."""
+
+  async def run() -> Tally:
+    # Idle connections are dropped well before the server's keep-alive timeout
+    # (5 s by default): one the server closes as a request goes out is a reset.
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
+                          keepalive_expiry=1.0)
+    async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=limits) as client:
+      async def send(payload: bytes):
+        response = await client.post("/score", content=payload,
+                                     headers={"content-type": "application/json"})
+        if response.status_code == 400:
+          raise RequestError(response.json()["error"])
+        if response.status_code != 200:
+          raise Refused(str(response.status_code))
+
+      return await drive(send, bodies, qps=qps, candidates=counts, seed=seed,
+                         max_seconds=max_seconds)
+
+  return asyncio.run(run())
