@@ -5,6 +5,7 @@
 # "lc attention self_target tests demo diagnostics"; also "sweep" (the randomized correctness
 # sweep and the regression tests, failures in full), "soak" (tools/soak.py for SOAK_MINUTES),
 # "system" (the ranking system benchmark and the main job at the benchmark preset),
+# "overload" (the serving ladder, then 3x the sustained rates over HTTP: refusals, resets, p99),
 # "rewrite" (original vs rewritten vs hand-written IKBO code), "fuzz" (the rewrite's property test
 # on the host's CPUs), "rewrite_tests" (the rewrite's tests on the GPU),
 # "backward" (the Mosaic GPU attention backward's GPU tests and regression tests, then the
@@ -86,10 +87,21 @@ if has soak; then
 fi
 if has system; then
   timeout "${SYSTEM_TIMEOUT:-420}" python3 -m benchmarks.ranking_system \
-    --out "$OUT/ranking_system_h200.json" 2>&1 | grep -v Warning | tee "$OUT/ranking_system.log" \
+    --parts inference training serving --out "$OUT/ranking_system_h200.json" 2>&1 | grep -v Warning | tee "$OUT/ranking_system.log" \
     | cut -c1-400 | tail -n 30
   timeout 240 python3 -m ikbo_jax --preset benchmark --steps 30 --requests 300 --qps 50 \
     --out "$OUT/main_job_h200.json" 2>&1 | grep -v "Warning\|it/s\|step/s" | tail -n 8
+fi
+if has overload; then
+  # The device image has no starlette or uvicorn: carry their wheels as .whl (here:
+  # pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl starlette uvicorn).
+  python3 -c "import starlette, uvicorn" 2>/dev/null || python3 -m pip install -q --no-index \
+    --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  # The serving ladder (call breakdown, sustained rates), then 3x those rates over HTTP for
+  # OVERLOAD_SECONDS per build from client processes.
+  timeout "${OVERLOAD_TIMEOUT:-540}" python3 -m benchmarks.ranking_system --parts serving overload \
+    --overload-seconds "${OVERLOAD_SECONDS:-60}" --out "$OUT/ranking_system_overload_h200.json" \
+    2>&1 | grep -v Warning | tee "$OUT/overload.log" | cut -c1-400 | tail -n 12
 fi
 if has rewrite; then
   timeout 300 python3 -m benchmarks.rewrite --out "$OUT/rewrite_h200.json" 2>&1 \

@@ -12,7 +12,11 @@ Three measurements, each for both builds in the same run:
    (full batches back to back), then a Poisson stream through the batcher and
    the compiled buckets at rising rates; the highest rate whose p99 latency
    stays within the budget (default 20 ms on a GPU, 100 ms with --small) and
-   whose answered rate is at least 90% of the offered one.
+   whose answered rate is at least 90% of the offered one;
+4. overload: the HTTP server in its own process offered `--overload-factor`
+   times the sustained rate for `--overload-seconds` from several client
+   processes: answers, refusals by status, resets by type, client and server
+   p99, and the SIGTERM drain time.
 Times are medians (CUPTI kernel time on a GPU, wall clock elsewhere; serving is
 always wall clock, end to end).
 """
@@ -21,17 +25,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import time
 
+import httpx
 import jax
 import numpy as np
 import optax
 from flax import nnx
+from prometheus_client import parser
 
 from benchmarks import common
 from benchmarks.problems import ranking_batch
 from ikbo_jax.data.synthetic import ClickGenerator
+from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.models import Ranker, RankerConfig
-from ikbo_jax.serving import Batcher, BatchingConfig, BucketedModel
+from ikbo_jax.serving import Batcher, BatchingConfig, BucketedModel, http_load
 from ikbo_jax.serving.load import run_load
 from ikbo_jax.serving.buckets import default_buckets
 from ikbo_jax.training import trainer
@@ -153,6 +165,67 @@ def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
   return out
 
 
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _server_metrics(url: str) -> dict:
+  """Refusals by reason and the server-side latency of answered requests, from /metrics."""
+  families = {f.name: f for f in parser.text_string_to_metric_families(
+      httpx.get(f"{url}/metrics", timeout=30).text)}
+  refused = {s.labels["reason"]: s.value for s in families["ikbo_refused"].samples
+             if s.name.endswith("_total")}
+  # The 200s' latency histogram: the first bucket bound holding 99% (an upper bound on p99).
+  buckets = sorted((float(s.labels["le"]), s.value)
+                   for s in families["ikbo_http_request_seconds"].samples
+                   if s.name.endswith("_bucket") and s.labels["status"] == "200")
+  total = buckets[-1][1] if buckets else 0
+  p99 = next((le for le, count in buckets if count >= 0.99 * total), float("nan"))
+  return dict(refused=refused, server_p99_ms_at_most=1e3 * p99, server_answered=total)
+
+
+def overload(preset: str, build: str, requests, qps: float, seconds: float, processes: int,
+             mean_candidates: float) -> dict:
+  """The HTTP server (`python -m ikbo_jax.serving`, its own process) offered `qps` for `seconds`.
+
+  Reports what the clients saw (answers, refusals by status, resets and timeouts by
+  type, latency), what the server counted, and how long its SIGTERM drain took.
+  """
+  port = _free_port()
+  server = subprocess.Popen(
+      [sys.executable, "-m", "ikbo_jax.serving", "--preset", preset, "--build", build,
+       "--port", str(port), "--mean-candidates", str(mean_candidates)],
+      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  url = f"http://127.0.0.1:{port}"
+  try:
+    deadline = time.time() + 900
+    while time.time() < deadline:
+      try:
+        if httpx.get(f"{url}/health/ready", timeout=5).status_code == 200:
+          break
+      except httpx.HTTPError:
+        pass
+      time.sleep(0.2)
+    else:
+      raise RuntimeError(f"the server did not get ready on port {port}")
+    stats = http_load.over_http(url, requests, qps=qps, max_seconds=seconds,
+                                processes=processes)
+    stats.update(_server_metrics(url))
+    start = time.perf_counter()
+    server.send_signal(signal.SIGTERM)
+    server.wait(timeout=120)
+    stats["drain_seconds"] = time.perf_counter() - start
+  finally:
+    if server.poll() is None:
+      server.kill()
+  print(f"overload {build} at {qps:.0f}/s: {stats['answered']} answered, "
+        f"{stats['errors_by_kind']}; p99 {stats['p99_ms']:.1f} ms (server <= "
+        f"{stats['server_p99_ms_at_most']:.0f} ms)", flush=True)
+  return stats
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--small", action="store_true", help="the CPU default model, tiny sizes")
@@ -165,8 +238,15 @@ def main() -> None:
   parser.add_argument("--rates", type=float, nargs="*", help="serving rates to climb")
   parser.add_argument("--buckets", type=int, default=4, help="how many default buckets (1-4)")
   parser.add_argument("--max-in-flight", type=int, default=2, help="the batcher's")
-  parser.add_argument("--parts", nargs="*", choices=("inference", "training", "serving"),
-                      default=("inference", "training", "serving"), help="what to measure")
+  parser.add_argument("--parts", nargs="*",
+                      choices=("inference", "training", "serving", "overload"),
+                      default=("inference", "training", "serving", "overload"),
+                      help="what to measure")
+  parser.add_argument("--overload-factor", type=float, default=3.0,
+                      help="overload: offered rate as a multiple of the sustained one")
+  parser.add_argument("--overload-seconds", type=float, help="default 60, --small 2")
+  parser.add_argument("--client-processes", type=int, default=4,
+                      help="overload: load generator processes")
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
   if args.small:
@@ -187,6 +267,20 @@ def main() -> None:
   if "serving" in args.parts:
     payload["serving"] = serving(model, config, mean, rates, budget_ms, args.requests_per_rate,
                                  args.seconds_per_rate, args.buckets, args.max_in_flight)
+  if "overload" in args.parts:
+    # Past the rate each build sustained (or, without the serving part, past the top rate).
+    sustained = {b: payload.get("serving", {}).get(b, {}).get("sustained_qps") or max(rates)
+                 for b in BUILDS}
+    seconds = args.overload_seconds or (2.0 if args.small else 60.0)
+    gen = ClickGenerator(config, seed=4, mean_candidates=mean,
+                         max_candidates=int(4 * mean))
+    payload["overload"] = {}
+    for build in BUILDS:
+      qps = args.overload_factor * sustained[build]
+      trace = serving_trace(gen, int(qps * seconds) + 1)
+      payload["overload"][build] = dict(sustained_qps=sustained[build], **overload(
+          "small" if args.small else "benchmark", build, trace, qps, seconds,
+          1 if args.small else args.client_processes, mean))
   common.write_json(args.out, payload)
 
 

@@ -56,6 +56,10 @@ def test_small_results_are_complete(small_run):
       stages = serving[build]["breakdown"]["one_request"]
       assert all(stages[s] > 0 for s in ("pack", "transfer", "execute", "fetch"))
       assert serving[build]["device_bound_qps"] > 0
+      stress = result["overload"][build]
+      assert stress["requests"] > 0 and stress["answered"] + stress["errors"] == stress["requests"]
+      assert set(stress["errors_by_kind"]) <= {"429", "503"}, stress["errors_by_kind"]
+      assert stress["drain_seconds"] < 30
     assert all(s["errors"] == 0 for s in serving["ikbo"]["ladder"])
   elif name == "rewrite":
     cases = result["cases"]
