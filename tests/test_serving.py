@@ -201,3 +201,27 @@ def test_a_batch_crosses_as_one_flat_buffer_and_comes_back_bit_for_bit():
     np.testing.assert_array_equal(np.asarray(getattr(back, name)), expected, err_msg=name)
   with pytest.raises(ValueError, match="history has shape"):
     FlatLayout.of(CONFIG, 4, 48, 8).flatten(batch)
+
+
+def test_overload_with_the_model_answers_every_request_and_mixes_none_up(ranker, served):
+  """A burst far past capacity through HTTP: 200 with the request's own scores, or 429/503."""
+  requests = _requests(240, start=600)
+  batching = BatchingConfig(max_queued_candidates=64, default_timeout_ms=100)
+
+  async def offer(url):
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+      bodies = [{f: np.asarray(getattr(r, f)).tolist()
+                 for f in ("user_dense", "history", "cand_items", "cand_dense")}
+                for r in requests]
+      return await asyncio.gather(*(client.post("/score", json=b) for b in bodies),
+                                  return_exceptions=True)
+
+  with loopback.serving(create_app(served, batching), backlog=1024) as served_at:
+    responses = asyncio.run(offer(served_at.url))
+  assert not [r for r in responses if isinstance(r, Exception)]
+  statuses = [r.status_code for r in responses]
+  assert set(statuses) <= {200, 429, 503} and 200 in statuses and len(set(statuses)) > 1
+  answered = [(q, r) for q, r in zip(requests, responses) if r.status_code == 200]
+  for request, response in answered[:: max(len(answered) // 6, 1)]:
+    np.testing.assert_allclose(response.json()["scores"], _alone(ranker, request),
+                               rtol=1e-5, atol=1e-6)
