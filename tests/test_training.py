@@ -56,7 +56,7 @@ def test_parquet_round_trip_and_training_from_files(tmp_path):
   requests = gen.requests(40)
   files.write_requests(requests[:30], tmp_path / "train.parquet")
   files.write_requests(requests[30:], tmp_path / "eval.parquet")
-  back = files.read_requests(tmp_path / "train.parquet")
+  back = files.read_requests(tmp_path / "train.parquet", CONFIG)
   for a, b in zip(requests, back):
     for field in dataclasses.fields(Request):
       np.testing.assert_array_equal(getattr(a, field.name), getattr(b, field.name))

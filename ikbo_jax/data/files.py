@@ -1,14 +1,22 @@
 """Requests on disk as Parquet (through pyarrow), so real logs can be brought in one schema.
 
-One row per request:
+One row per request; the schema is declared once (`SCHEMA`) and enforced on read:
 
-| column | type | meaning |
+| column | Arrow type | contract |
 |---|---|---|
-| `user_dense` | `list<float>` | the user's profile features (`RankerConfig.user_dense` of them) |
-| `history` | `list<int32>` | behaviour history item ids, most recent last |
-| `cand_items` | `list<int32>` | the candidates' item ids |
-| `cand_dense` | `list<list<float>>` | per candidate, its statistics (`RankerConfig.cand_dense`) |
-| `labels` | `list<float>` | per candidate, click (1) or not (0); may be null when scoring |
+| `user_dense` | `list<float32>` | exactly `RankerConfig.user_dense` finite values |
+| `history` | `list<int32>` | item ids in `[0, num_items)`, at most `max_history`, most recent last |
+| `cand_items` | `list<int32>` | at least one item id in `[0, num_items)` |
+| `cand_dense` | `list<list<float32>>` | one row of `RankerConfig.cand_dense` finite values per candidate |
+| `labels` | `list<float32>` | one per candidate, each 0 or 1; required for training |
+
+Nothing is null. Integer columns may be stored as any integer type (int8 to
+int64); a float or string column where ids belong is refused, never truncated
+or parsed. Every error names the file, the row and the field, and a whole file
+is checked before any of it is used (vectorized, with `pyarrow.compute`). Pages
+carry CRC checksums (written and verified), so a corrupted page is an error,
+not silently different values. `python -m ikbo_jax.data.validate FILE` checks
+a dataset without training.
 """
 
 from __future__ import annotations
@@ -18,21 +26,28 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ikbo_jax.data.request import Request
+from ikbo_jax.models.config import RankerConfig
 
 SCHEMA = pa.schema([
-    ("user_dense", pa.list_(pa.float32())),
-    ("history", pa.list_(pa.int32())),
-    ("cand_items", pa.list_(pa.int32())),
-    ("cand_dense", pa.list_(pa.list_(pa.float32()))),
-    ("labels", pa.list_(pa.float32())),
+    pa.field("user_dense", pa.list_(pa.float32()), nullable=False),
+    pa.field("history", pa.list_(pa.int32()), nullable=False),
+    pa.field("cand_items", pa.list_(pa.int32()), nullable=False),
+    pa.field("cand_dense", pa.list_(pa.list_(pa.float32())), nullable=False),
+    pa.field("labels", pa.list_(pa.float32()), nullable=True),
 ])
+_IDS = ("history", "cand_items")
+
+
+class DataError(ValueError):
+  """A file that breaks the schema's contract; names the file, the row and the field."""
 
 
 def write_requests(requests: Sequence[Request], path: str | os.PathLike) -> None:
-  """Writes `requests` to one Parquet file in `SCHEMA`."""
+  """Writes `requests` to one Parquet file in `SCHEMA`, with page checksums."""
   columns = {name: [] for name in SCHEMA.names}
   for r in requests:
     columns["user_dense"].append(np.asarray(r.user_dense).tolist())
@@ -40,20 +55,139 @@ def write_requests(requests: Sequence[Request], path: str | os.PathLike) -> None
     columns["cand_items"].append(np.asarray(r.cand_items).tolist())
     columns["cand_dense"].append(np.asarray(r.cand_dense).tolist())
     columns["labels"].append(None if r.labels is None else np.asarray(r.labels).tolist())
-  pq.write_table(pa.Table.from_pydict(columns, schema=SCHEMA), path)
+  pq.write_table(pa.Table.from_pydict(columns, schema=SCHEMA), path, write_page_checksum=True)
 
 
-def read_requests(path: str | os.PathLike) -> list[Request]:
-  """Reads requests written in `SCHEMA` (validate them against a config before use)."""
-  table = pq.read_table(path)
-  missing = set(SCHEMA.names) - set(table.column_names) - {"labels"}
-  if missing:
-    raise ValueError(f"{path}: missing columns {sorted(missing)}; expected {SCHEMA.names}")
+def read_requests(path: str | os.PathLike, config: RankerConfig, *,
+                  require_labels: bool = True) -> list[Request]:
+  """The requests of one file, every row checked against `SCHEMA` and `config` first.
+
+  Raises `DataError` naming the file, the first rows and the field that break
+  the contract; labels may be absent only with `require_labels=False` (scoring).
+  """
+  try:
+    table = pq.read_table(path, page_checksum_verification=True)
+  except (OSError, pa.ArrowException) as e:
+    raise DataError(f"{path}: not a readable Parquet file: {e}") from None
+  if table.num_rows == 0:
+    raise DataError(f"{path}: the file has no rows")
+  table = _conform(table, path, require_labels)
+  _check_rows(table, path, config)
   rows = table.to_pydict()
-  labels = rows.get("labels", [None] * table.num_rows)
-  return [Request(user_dense=np.asarray(u, np.float32), history=np.asarray(h, np.int64),
-                  cand_items=np.asarray(c, np.int64),
-                  cand_dense=np.asarray(d, np.float32).reshape(len(c), -1),
+  n = [len(c) for c in rows["cand_items"]]
+  labels = rows.get("labels") or [None] * table.num_rows
+  return [Request(user_dense=np.asarray(u, np.float32), history=np.asarray(h, np.int32),
+                  cand_items=np.asarray(c, np.int32),
+                  cand_dense=np.asarray(d, np.float32).reshape(k, config.cand_dense),
                   labels=None if y is None else np.asarray(y, np.float32))
-          for u, h, c, d, y in zip(rows["user_dense"], rows["history"], rows["cand_items"],
-                                   rows["cand_dense"], labels)]
+          for u, h, c, d, y, k in zip(rows["user_dense"], rows["history"], rows["cand_items"],
+                                      rows["cand_dense"], labels, n)]
+
+
+def _conform(table: pa.Table, path, require_labels: bool) -> pa.Table:
+  """The table in `SCHEMA`'s types: integer ids widened or narrowed, nothing else converted."""
+  names = set(table.column_names)
+  required = [f.name for f in SCHEMA if f.name != "labels" or require_labels]
+  missing, unknown = sorted(set(required) - names), sorted(names - set(SCHEMA.names))
+  if missing or unknown:
+    raise DataError(f"{path}: columns missing {missing}, unknown {unknown}; the schema is "
+                    f"{SCHEMA.names}")
+  columns = {}
+  for field in SCHEMA:
+    if field.name not in names:
+      continue
+    column = table.column(field.name)
+    actual = column.type
+    while pa.types.is_list(actual) or pa.types.is_large_list(actual):
+      actual = actual.value_type
+    wanted = field.type
+    while pa.types.is_list(wanted):
+      wanted = wanted.value_type
+    if pa.types.is_integer(wanted) and not pa.types.is_integer(actual):
+      raise DataError(f"{path}: field {field.name} must hold integer item ids, got "
+                      f"{column.type} (ids are never truncated or parsed)")
+    if pa.types.is_floating(wanted) and not (pa.types.is_floating(actual)
+                                             or pa.types.is_integer(actual)):
+      raise DataError(f"{path}: field {field.name} must hold numbers, got {column.type}")
+    if field.name != "labels" or require_labels:  # scoring data may leave labels null
+      _check_no_nulls(column, field.name, path)
+    try:
+      columns[field.name] = column.cast(field.type)  # checks integer overflow
+    except pa.ArrowInvalid as e:
+      raise DataError(f"{path}: field {field.name} does not fit {field.type}: {e}") from None
+  return pa.table(columns)
+
+
+def _check_no_nulls(column, name: str, path) -> None:
+  flat, depth = column, 0
+  while True:
+    nulls = pc.is_null(flat)
+    if pc.any(nulls).as_py():
+      where = "" if depth == 0 else " (an element)"
+      rows = _first_rows(nulls) if depth == 0 else "?"
+      raise DataError(f"{path}: row {rows}: field {name} is null{where}; nothing may be null")
+    if not pa.types.is_list(flat.type):
+      return
+    flat, depth = pc.list_flatten(flat), depth + 1
+
+
+def _first_rows(mask) -> str:
+  rows = np.flatnonzero(np.asarray(mask.to_numpy(zero_copy_only=False), bool))
+  return ", ".join(map(str, rows[:5])) + (" and more" if len(rows) > 5 else "")
+
+
+def _check_rows(table: pa.Table, path, config: RankerConfig) -> None:
+  """Every row's lengths and values against `config`, whole columns at a time."""
+  length = lambda name: pc.list_value_length(table.column(name))
+  n = length("cand_items")
+  checks = [
+      ("user_dense", pc.not_equal(length("user_dense"), config.user_dense),
+       f"must have {config.user_dense} values"),
+      ("history", pc.greater(length("history"), config.max_history),
+       f"must have at most max_history={config.max_history} items"),
+      ("cand_items", pc.equal(n, 0), "must have at least one candidate"),
+      ("cand_dense", pc.not_equal(length("cand_dense"), n),
+       "must have one row per candidate (as many as cand_items)"),
+  ]
+  if "labels" in table.column_names:
+    checks.append(("labels", pc.not_equal(length("labels"), n),
+                   "must have one label per candidate"))
+  for name, bad, rule in checks:
+    if pc.any(bad).as_py():
+      raise DataError(f"{path}: row {_first_rows(bad)}: field {name} {rule}")
+  _check_values(table, path, config)
+
+
+def _check_values(table: pa.Table, path, config: RankerConfig) -> None:
+  """Ids in range, features finite and of the right width, labels 0 or 1; rows named."""
+  def per_row(name, bad_elements, depth=1):
+    """Rows of `name` holding a bad element (`bad_elements` over the flattened values)."""
+    column = table.column(name).combine_chunks()
+    parents = pc.list_parent_indices(column)
+    if depth == 2:
+      inner = pc.list_flatten(column)
+      parents = pc.take(parents, pc.list_parent_indices(inner))
+    rows = np.unique(np.asarray(parents)[np.asarray(bad_elements, bool)])
+    return rows
+
+  def fail(name, rows, rule):
+    if len(rows):
+      shown = ", ".join(map(str, rows[:5])) + (" and more" if len(rows) > 5 else "")
+      raise DataError(f"{path}: row {shown}: field {name} {rule}")
+
+  for name in _IDS:
+    ids = np.asarray(pc.list_flatten(table.column(name)))
+    fail(name, per_row(name, (ids < 0) | (ids >= config.num_items)),
+         f"holds item ids outside [0, num_items={config.num_items})")
+  dense = pc.list_flatten(table.column("cand_dense").combine_chunks())
+  fail("cand_dense", per_row("cand_dense", np.asarray(pc.list_value_length(dense))
+                             != config.cand_dense),
+       f"must have {config.cand_dense} values per candidate (not transposed)")
+  for name, depth in (("user_dense", 1), ("cand_dense", 2)):
+    values = table.column(name)
+    for _ in range(depth):
+      values = pc.list_flatten(values)
+    fail(name, per_row(name, ~np.isfinite(np.asarray(values)), depth), "must be finite")
+  if "labels" in table.column_names:
+    labels = np.asarray(pc.list_flatten(table.column("labels")))
+    fail("labels", per_row("labels", (labels != 0) & (labels != 1)), "must be 0 or 1")

@@ -50,12 +50,12 @@ def _train(args, parser) -> dict:
 
   config = PRESETS[args.preset]()
   if args.train_file:
-    train_requests = files.read_requests(args.train_file)
+    train_requests = files.read_requests(args.train_file, config)
     source = lambda i: train_requests[i % len(train_requests)]
   else:
     source = ClickGenerator(config, seed=args.seed).request
   if args.eval_file:
-    held_out = files.read_requests(args.eval_file)
+    held_out = files.read_requests(args.eval_file, config)
   elif args.train_file:
     parser.error("--train-file needs --eval-file (a held-out split)")
   else:
