@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -10,7 +11,7 @@ from flax import nnx
 from ikbo_jax.data import Request, RequestError, files
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.models import RankerConfig, load_ranker
-from ikbo_jax.training import TrainConfig, Trainer, __main__ as train_command
+from ikbo_jax.training import Divergence, TrainConfig, Trainer, __main__ as train_command
 
 CONFIG = RankerConfig()
 
@@ -77,3 +78,32 @@ def test_a_bad_training_request_is_named():
   trainer = Trainer(CONFIG, TrainConfig(steps=2), bad)
   with pytest.raises(RequestError, match=r"request 2: cand_items holds unknown item ids \[500"):
     trainer.step()
+
+
+def test_divergence_stops_the_run_naming_the_step_and_never_applies_a_non_finite_update():
+  """Learning rate 1000: the loss became NaN at every step and the run went on to crash in AUC."""
+  gen = ClickGenerator(CONFIG, seed=0)
+  trainer = Trainer(CONFIG, TrainConfig(steps=40, learning_rate=1000.0), gen.request)
+  with pytest.raises(Divergence, match=r"step \d+ \(requests from \d+\) gave a non-finite "
+                                       r"loss .* the last checkpoint is none"):
+    trainer.fit(40, progress=False)
+  params = jax.tree.leaves(nnx.state(trainer.model, nnx.Param))
+  assert all(bool(jnp.all(jnp.isfinite(p))) for p in params)
+  report = trainer.evaluate(gen.requests(20, start=10**9))  # no crash on a diverged model
+  assert report["candidates"] > 0
+
+
+def test_a_poisoned_batch_is_skipped_and_counted_up_to_the_bound():
+  gen = ClickGenerator(CONFIG, seed=0)
+
+  def source(i):
+    request = gen.request(i)
+    if i == 5:  # finite, valid, and enough to overflow the loss
+      return dataclasses.replace(request, user_dense=np.full_like(request.user_dense, 3e38))
+    return request
+
+  trainer = Trainer(CONFIG, TrainConfig(steps=6, max_skipped_steps=2), source)
+  losses = trainer.fit(6, progress=False)
+  assert trainer.skipped_steps == 1 and not np.isfinite(losses).all()
+  params = jax.tree.leaves(nnx.state(trainer.model, nnx.Param))
+  assert all(bool(jnp.all(jnp.isfinite(p))) for p in params)

@@ -7,6 +7,12 @@ from a cursor while they fit the step's static shape (`num_users` user and
 and no candidate is dropped. A checkpoint holds the model, the optimizer and
 the cursor: a run restored from step `k` takes the same step `k + 1` as the
 run that saved it.
+
+Divergence: an update whose loss or gradients are not finite is never applied
+(`optax.apply_if_finite`); the trainer counts such steps and raises
+`Divergence` naming the step, its requests and the last checkpoint once more
+than `TrainConfig.max_skipped_steps` occurred (default none). It checks the
+steps' flags every `log_every` steps, so the host never waits on a step.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -40,6 +47,8 @@ class TrainConfig:
     steps: the schedule's length.
     weight_decay: AdamW's decay.
     build: which forward pass trains (`Build`, or its name); same parameters either way.
+    max_skipped_steps: steps with a non-finite loss or gradient skipped (not applied)
+      before the run stops with `Divergence`.
   """
 
   num_users: int = 16
@@ -48,19 +57,33 @@ class TrainConfig:
   steps: int = 300
   weight_decay: float = 1e-4
   build: Build = Build.IKBO
+  max_skipped_steps: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, "build", Build.parse(self.build))
     for name in ("num_users", "num_candidates", "steps"):
       if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
         raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+    if not (isinstance(self.max_skipped_steps, int) and self.max_skipped_steps >= 0):
+      raise ValueError(f"max_skipped_steps must be an int >= 0, got {self.max_skipped_steps!r}")
+
+
+class Divergence(RuntimeError):
+  """Training produced non-finite losses or gradients more often than allowed."""
+
+
+# apply_if_finite gives up skipping after this many non-finite steps in a row: never.
+_ALWAYS_SKIP = 2**31 - 1
 
 
 @nnx.jit(static_argnames="build")
 def _train_step(model: Ranker, optimizer: nnx.Optimizer, batch: RankingBatch, build: Build):
+  """`(loss, finite)`: the update is applied only where the loss and gradients are finite."""
   loss, grads = nnx.value_and_grad(lambda m: masked_loss(scores(m, batch, build), batch))(model)
   optimizer.update(model, grads)
-  return loss
+  finite = jnp.isfinite(loss) & jax.tree.reduce(
+      lambda ok, g: ok & jnp.all(jnp.isfinite(g)), grads, jnp.bool_(True))
+  return loss, finite
 
 
 @nnx.jit(static_argnames="build")
@@ -91,10 +114,14 @@ class Trainer:
         0.0, train_config.learning_rate, min(50, train_config.steps // 10 + 1),
         train_config.steps)
     self.optimizer = nnx.Optimizer(
-        self.model, optax.adamw(schedule, weight_decay=train_config.weight_decay),
+        self.model, optax.apply_if_finite(
+            optax.adamw(schedule, weight_decay=train_config.weight_decay), _ALWAYS_SKIP),
         wrt=nnx.Param)
     self.cursor = 0  # the next request of `source`
     self.step_count = 0
+    self.skipped_steps = 0  # non-finite steps, not applied
+    self.last_saved: str | None = None  # "step k under <directory>"
+    self._unchecked: list = []  # (step, first request, finite flag) not yet looked at
 
   def next_batch(self) -> tuple[RankingBatch, int]:
     """The next step's batch from the cursor on, and how many candidates it holds."""
@@ -118,15 +145,33 @@ class Trainer:
     return batch, total
 
   def step(self) -> float:
-    """One optimizer step; returns its loss."""
-    return float(self._step()[0])
+    """One optimizer step; returns its loss (`Divergence` past the skip bound)."""
+    loss = float(self._step()[0])
+    self.check_divergence()
+    return loss
 
   def _step(self) -> tuple[jax.Array, int]:
     """One optimizer step, not waited for: its loss and how many candidates it took."""
+    first_request = self.cursor
     batch, count = self.next_batch()
-    loss = _train_step(self.model, self.optimizer, batch, self.train_config.build)
+    loss, finite = _train_step(self.model, self.optimizer, batch, self.train_config.build)
     self.step_count += 1
+    self._unchecked.append((self.step_count, first_request, finite))
     return loss, count
+
+  def check_divergence(self) -> None:
+    """Counts the non-finite steps since the last check; `Divergence` past the bound."""
+    unchecked, self._unchecked = self._unchecked, []
+    for step, first_request, finite in unchecked:
+      if bool(finite):
+        continue
+      self.skipped_steps += 1
+      if self.skipped_steps > self.train_config.max_skipped_steps:
+        raise Divergence(
+            f"step {step} (requests from {first_request}) gave a non-finite loss or gradient "
+            f"({self.skipped_steps} such steps, max_skipped_steps="
+            f"{self.train_config.max_skipped_steps}); no non-finite update was applied; the "
+            f"last checkpoint is {self.last_saved or 'none'}")
 
   def fit(self, steps: int, *, progress: bool = True, log_every: int = 10) -> list[float]:
     """`steps` steps under a progress bar (loss, candidates/s); returns the losses.
@@ -142,6 +187,7 @@ class Trainer:
       print(f"compiling the training step ({self.train_config.build} build)...", flush=True)
     first, _ = self._step()
     losses = [float(first)]
+    self.check_divergence()
     if progress:
       print(f"  compiled and ran step 1 in {time.perf_counter() - start:.1f} s", flush=True)
     bar = tqdm(range(1, steps), initial=1, total=steps, disable=not progress, unit="step",
@@ -153,6 +199,7 @@ class Trainer:
       seen += count
       if len(losses) % log_every == 0 or len(losses) == steps:
         losses[-1] = float(losses[-1])  # waits for the step: the rate is honest
+        self.check_divergence()
         bar.set_postfix(loss=f"{losses[-1]:.4f}",
                         cands_per_s=f"{seen / (time.perf_counter() - start):.0f}")
     return [float(x) for x in losses]
@@ -175,6 +222,10 @@ class Trainer:
         labels.append(batch.labels[:n])
         chunk = chunk[fit:]
     preds, labels = np.concatenate(preds), np.concatenate(labels)
+    if not np.isfinite(preds).all():  # a diverged model: reported, not a crash
+      return dict(auc=float("nan"), loss=float("nan"), candidates=int(labels.size),
+                  click_rate=float(labels.mean()),
+                  non_finite_scores=int((~np.isfinite(preds)).sum()))
     eps = 1e-7
     loss = -np.mean(labels * np.log(preds + eps) + (1 - labels) * np.log(1 - preds + eps))
     return dict(auc=float(roc_auc_score(labels, preds)), loss=float(loss),
@@ -189,6 +240,7 @@ class Trainer:
           meta=ocp.args.JsonSave(dict(cursor=self.cursor, step=self.step_count,
                                       build=str(self.train_config.build)))))
       manager.wait_until_finished()
+    self.last_saved = f"step {self.step_count} under {directory}"
 
   def restore(self, directory: str | os.PathLike, step: int | None = None) -> int:
     """Restores the latest (or `step`'s) checkpoint; returns its step."""
