@@ -5,11 +5,21 @@ model layer owns one of them, `PARAMS` (the `Ranker`'s state as a pure dict);
 training adds its own (the optimizer, its cursor) beside it. Serving reads the
 parameters alone, so it never builds an optimizer (Flax's checkpointing guide
 keeps model state apart from the training loop the same way).
+
+Integrity: once a step is written, `seal` records the SHA-256 of every file in
+it (`integrity.json`); `verify` recomputes them. Whoever restores, training or
+serving, takes the newest step that verifies (`newest_good_step`), warns about every
+newer one that does not, and fails naming the files when none does: a flipped
+byte is never restored silently. A step without a seal is not trusted.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import pathlib
+import warnings
 
 import jax
 import orbax.checkpoint as ocp
@@ -19,6 +29,11 @@ from ikbo_jax.models.config import RankerConfig
 from ikbo_jax.models.ranker import Ranker
 
 PARAMS = "params"
+SEAL = "integrity.json"
+
+
+class CheckpointError(RuntimeError):
+  """No checkpoint under a directory verifies; the message names what failed."""
 
 
 def manager(directory: str | os.PathLike, max_to_keep: int = 3) -> ocp.CheckpointManager:
@@ -44,20 +59,69 @@ def update(obj, restored) -> None:
   nnx.update(obj, state)
 
 
-def step_to_restore(checkpoints: ocp.CheckpointManager, step: int | None, directory) -> int:
-  """`step`, or the latest step under `directory`; a FileNotFoundError when there is none."""
-  step = checkpoints.latest_step() if step is None else step
-  if step is None:
+def _digests(step_dir: pathlib.Path) -> dict[str, str]:
+  return {str(f.relative_to(step_dir)): hashlib.sha256(f.read_bytes()).hexdigest()
+          for f in sorted(step_dir.rglob("*")) if f.is_file() and f.name != SEAL}
+
+
+def step_dir(directory, step: int) -> pathlib.Path:
+  return pathlib.Path(os.path.abspath(directory)) / str(step)
+
+
+def seal(directory, step: int) -> None:
+  """Records the checksums of a finished step's files."""
+  path = step_dir(directory, step)
+  (path / SEAL).write_text(json.dumps(_digests(path), indent=0))
+
+
+def verify(directory, step: int) -> str | None:
+  """None if step `step` is intact, else what is wrong with it (naming the file)."""
+  path = step_dir(directory, step)
+  try:
+    sealed = json.loads((path / SEAL).read_text())
+  except FileNotFoundError:
+    return f"{path} has no {SEAL} (a save that did not finish)"
+  except (OSError, ValueError) as e:
+    return f"{path / SEAL} is unreadable: {e}"
+  actual = _digests(path)
+  for name in sorted(set(sealed) | set(actual)):
+    if sealed.get(name) != actual.get(name):
+      state = "missing" if name not in actual else "changed" if name in sealed else "unexpected"
+      return f"{path / name} is {state} since the step was saved"
+  return None
+
+
+def newest_good_step(checkpoints: ocp.CheckpointManager, directory,
+                     step: int | None = None) -> int:
+  """The newest step that verifies; warns of each newer one that does not.
+
+  With `step`, that one (an error if it does not verify). A
+  `FileNotFoundError` when there is no checkpoint, a `CheckpointError` naming
+  every failure when none verifies.
+  """
+  steps = sorted(checkpoints.all_steps(), reverse=True) if step is None else [step]
+  if not steps:
     raise FileNotFoundError(f"no checkpoint under {directory}")
-  return step
+  failures = []
+  for candidate in steps:
+    problem = verify(directory, candidate)
+    if problem is None:
+      for failure in failures:
+        warnings.warn(f"skipping a checkpoint that does not verify: {failure}", stacklevel=2)
+      return candidate
+    failures.append(problem)
+  raise CheckpointError(f"no checkpoint under {directory} verifies: " + "; ".join(failures))
 
 
 def load_ranker(config: RankerConfig, directory: str | os.PathLike,
                 step: int | None = None) -> Ranker:
-  """The `Ranker` of the latest (or `step`'s) checkpoint under `directory`; parameters only."""
+  """The `Ranker` of the newest verified (or `step`'s) checkpoint under `directory`; parameters only.
+
+  Raises `CheckpointError` when no checkpoint verifies.
+  """
   model = Ranker(config, rngs=nnx.Rngs(0))
   with manager(directory) as checkpoints:
-    step = step_to_restore(checkpoints, step, directory)
+    step = newest_good_step(checkpoints, directory, step)
     restored = checkpoints.restore(step, args=ocp.args.Composite(
         **{PARAMS: restore_args(model)}))
   update(model, restored[PARAMS])

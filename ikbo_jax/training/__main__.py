@@ -3,8 +3,15 @@
     python -m ikbo_jax.training --steps 300 --checkpoint-dir /tmp/ranker
     python -m ikbo_jax.training --train-file logs.parquet --eval-file held_out.parquet
 
-Resumes from `--checkpoint-dir` when it holds a checkpoint. Prints the
-held-out AUC before and after, and the step time.
+With `--checkpoint-dir` it checks first that checkpoints can be written there
+(and that two fit), saves every `--save-every-steps` steps and every
+`--save-every-minutes` minutes in the background, on SIGTERM/SIGINT (then
+exits), and at the end; it resumes from the newest checkpoint that verifies
+and says what it resumed. The learning-rate schedule runs over
+`--schedule-steps` (default `--steps`): declare the full length to extend a run
+in pieces that equal one straight run. A non-finite loss or gradient stops the
+run naming the step and the last checkpoint (`--max-skipped-steps` allows some,
+not applied). Prints the held-out AUC before and after.
 """
 
 from __future__ import annotations
@@ -22,8 +29,9 @@ def main(argv=None) -> dict:
   parser = _cli.parser("ikbo_jax.training", __doc__, __version__)
   parser.add_argument("--preset", choices=sorted(PRESETS), default="small",
                       help="model sizes (ikbo_jax.models.PRESETS)")
-  parser.add_argument("--steps", type=int, default=300,
-                      help="training steps (the schedule decays over them)")
+  parser.add_argument("--steps", type=int, default=300, help="train up to this step")
+  parser.add_argument("--schedule-steps", type=int,
+                      help="the learning-rate schedule's length (default: --steps)")
   parser.add_argument("--users", type=int, default=16, help="requests (user slots) per step")
   parser.add_argument("--candidates", type=int, default=256, help="candidate slots per step")
   parser.add_argument("--learning-rate", type=float, default=3e-3, help="peak AdamW learning rate")
@@ -33,7 +41,12 @@ def main(argv=None) -> dict:
   parser.add_argument("--eval-file", help="held-out Parquet requests")
   parser.add_argument("--eval-requests", type=int, default=300,
                       help="held-out requests for the AUC")
-  parser.add_argument("--checkpoint-dir", help="save at the end; resume from here if present")
+  parser.add_argument("--checkpoint-dir", help="save here as the run goes; resume from here")
+  parser.add_argument("--save-every-steps", type=int, default=100, help="save interval in steps")
+  parser.add_argument("--save-every-minutes", type=float, default=10.0,
+                      help="save interval in minutes")
+  parser.add_argument("--max-skipped-steps", type=int, default=0,
+                      help="non-finite steps skipped (not applied) before the run stops")
   parser.add_argument("--seed", type=int, default=0, help="parameter initialization seed")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   args = parser.parse_args(argv)
@@ -46,7 +59,9 @@ def _train(args, parser) -> dict:
 
   from ikbo_jax.data import files
   from ikbo_jax.data.synthetic import ClickGenerator
-  from ikbo_jax.training import TrainConfig, Trainer
+  from ikbo_jax.models.checkpoint import CheckpointError
+  from ikbo_jax.training import Divergence, TrainConfig, Trainer
+  from ikbo_jax.training.run_guard import SaveInterval, StopSignals, periodic_saver, resume
 
   config = PRESETS[args.preset]()
   if args.train_file:
@@ -61,19 +76,34 @@ def _train(args, parser) -> dict:
   else:
     held_out = ClickGenerator(config, seed=args.seed).requests(args.eval_requests, EVAL_START)
 
-  trainer = Trainer(config, TrainConfig(num_users=args.users, num_candidates=args.candidates,
-                                        learning_rate=args.learning_rate, steps=args.steps,
-                                        build=args.build), source, seed=args.seed)
-  if args.checkpoint_dir:
-    try:
-      print(f"resumed from step {trainer.restore(args.checkpoint_dir)}")
-    except FileNotFoundError:
-      pass
-  before = trainer.evaluate(held_out)
-  losses = trainer.fit(max(args.steps - trainer.step_count, 0), progress=not args.no_progress)
-  after = trainer.evaluate(held_out)
-  if args.checkpoint_dir:
-    trainer.save(args.checkpoint_dir)
+  train_config = TrainConfig(num_users=args.users, num_candidates=args.candidates,
+                             learning_rate=args.learning_rate,
+                             steps=args.schedule_steps or args.steps, build=args.build,
+                             max_skipped_steps=args.max_skipped_steps)
+  trainer = Trainer(config, train_config, source, seed=args.seed)
+  try:
+    if args.checkpoint_dir:
+      print(resume(trainer, args.checkpoint_dir))
+    before = trainer.evaluate(held_out)
+    with StopSignals() as stop:
+      after_step = (periodic_saver(trainer, args.checkpoint_dir, SaveInterval(
+          args.save_every_steps, args.save_every_minutes, last_step=trainer.step_count), stop)
+                    if args.checkpoint_dir else lambda: stop.requested is not None)
+      losses = trainer.fit(max(args.steps - trainer.step_count, 0),
+                           progress=not args.no_progress, after_step=after_step)
+    if stop.requested:
+      trainer.close()
+      saved = trainer.last_saved
+      parser.exit(0, f"{stop.requested}: stopped at step {trainer.step_count}; saved "
+                     + (f"step {saved[0]} under {saved[1]}\n" if saved else "nothing\n"))
+    after = trainer.evaluate(held_out)
+    trainer.seal_finished_save(wait=True)
+    if args.checkpoint_dir and (trainer.last_saved or (-1,))[0] < trainer.step_count:
+      trainer.save(args.checkpoint_dir)
+  except (Divergence, CheckpointError) as e:
+    parser.exit(1, f"training stopped: {e}\n")
+  finally:
+    trainer.close()
   report = dict(device=jax.devices()[0].device_kind, preset=args.preset, build=args.build,
                 steps=trainer.step_count, first_loss=losses[0] if losses else None,
                 last_loss=losses[-1] if losses else None, auc_before=before["auc"],

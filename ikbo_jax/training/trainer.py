@@ -120,8 +120,10 @@ class Trainer:
     self.cursor = 0  # the next request of `source`
     self.step_count = 0
     self.skipped_steps = 0  # non-finite steps, not applied
-    self.last_saved: str | None = None  # "step k under <directory>"
+    self.last_saved: tuple[int, str] | None = None  # (step, directory) of the newest sealed save
     self._unchecked: list = []  # (step, first request, finite flag) not yet looked at
+    self._managers: dict[str, ocp.CheckpointManager] = {}  # by directory, for async saves
+    self._pending: tuple[str, int] | None = None  # a save not yet sealed
 
   def next_batch(self) -> tuple[RankingBatch, int]:
     """The next step's batch from the cursor on, and how many candidates it holds."""
@@ -171,14 +173,16 @@ class Trainer:
             f"step {step} (requests from {first_request}) gave a non-finite loss or gradient "
             f"({self.skipped_steps} such steps, max_skipped_steps="
             f"{self.train_config.max_skipped_steps}); no non-finite update was applied; the "
-            f"last checkpoint is {self.last_saved or 'none'}")
+            f"last checkpoint is {_describe(self.last_saved)}")
 
-  def fit(self, steps: int, *, progress: bool = True, log_every: int = 10) -> list[float]:
+  def fit(self, steps: int, *, progress: bool = True, log_every: int = 10,
+          after_step: Callable[[], bool] | None = None) -> list[float]:
     """`steps` steps under a progress bar (loss, candidates/s); returns the losses.
 
     The first step compiles: it runs before the bar starts (with a line saying
     so and how long it took), so the bar's rate and time estimate are the
-    steady state's.
+    steady state's. `after_step()` runs after each step (periodic saves); the
+    run stops early when it returns True.
     """
     if steps <= 0:
       return []
@@ -190,6 +194,8 @@ class Trainer:
     self.check_divergence()
     if progress:
       print(f"  compiled and ran step 1 in {time.perf_counter() - start:.1f} s", flush=True)
+    if after_step is not None and after_step():
+      return losses
     bar = tqdm(range(1, steps), initial=1, total=steps, disable=not progress, unit="step",
                desc=f"train ({self.train_config.build})")
     start, seen = time.perf_counter(), 0
@@ -202,6 +208,9 @@ class Trainer:
         self.check_divergence()
         bar.set_postfix(loss=f"{losses[-1]:.4f}",
                         cands_per_s=f"{seen / (time.perf_counter() - start):.0f}")
+      if after_step is not None and after_step():
+        break
+    bar.close()
     return [float(x) for x in losses]
 
   def evaluate(self, requests: list[Request]) -> dict:
@@ -231,28 +240,78 @@ class Trainer:
     return dict(auc=float(roc_auc_score(labels, preds)), loss=float(loss),
                 candidates=int(labels.size), click_rate=float(labels.mean()))
 
-  def save(self, directory: str | os.PathLike) -> None:
-    """Checkpoints the model's parameters, the optimizer and the cursor at this step (orbax)."""
-    with checkpoint.manager(directory) as manager:
-      manager.save(self.step_count, args=ocp.args.Composite(
-          **{checkpoint.PARAMS: checkpoint.save_args(self.model)},
-          optimizer=checkpoint.save_args(self.optimizer),
-          meta=ocp.args.JsonSave(dict(cursor=self.cursor, step=self.step_count,
-                                      build=str(self.train_config.build)))))
+  def save(self, directory: str | os.PathLike, *, wait: bool = True) -> None:
+    """Checkpoints the parameters, the optimizer and the cursor at this step (orbax).
+
+    With `wait=False` the files are written in the background while training
+    goes on; a step is trusted (sealed with its checksums) once its files are
+    complete, which `seal_finished_save` checks. A new save first waits for the
+    previous one.
+    """
+    directory = os.path.abspath(directory)
+    if directory not in self._managers:
+      self._managers[directory] = checkpoint.manager(directory)
+    self.seal_finished_save(wait=True)
+    self._managers[directory].save(self.step_count, args=ocp.args.Composite(
+        **{checkpoint.PARAMS: checkpoint.save_args(self.model)},
+        optimizer=checkpoint.save_args(self.optimizer),
+        meta=ocp.args.JsonSave(dict(cursor=self.cursor, step=self.step_count,
+                                    schedule_steps=self.train_config.steps,
+                                    build=str(self.train_config.build)))))
+    self._pending = (directory, self.step_count)
+    if wait:
+      self.seal_finished_save(wait=True)
+
+  def seal_finished_save(self, wait: bool = False) -> None:
+    """Seals the last save if its files are complete (or, with `wait`, once they are)."""
+    if self._pending is None:
+      return
+    directory, step = self._pending
+    manager = self._managers[directory]
+    if wait:
       manager.wait_until_finished()
-    self.last_saved = f"step {self.step_count} under {directory}"
+    elif manager.is_saving_in_progress():
+      return
+    checkpoint.seal(directory, step)
+    self.last_saved, self._pending = (step, directory), None
+
+  def close(self) -> None:
+    """Waits for a save in flight, seals it and closes the checkpoint managers."""
+    self.seal_finished_save(wait=True)
+    for manager in self._managers.values():
+      manager.close()
+    self._managers.clear()
+
+  def state_bytes(self) -> int:
+    """Bytes of one checkpoint's arrays (the parameters and the optimizer)."""
+    leaves = jax.tree.leaves((nnx.state(self.model), nnx.state(self.optimizer)))
+    return int(sum(np.asarray(x).nbytes for x in leaves if hasattr(x, "dtype")))
 
   def restore(self, directory: str | os.PathLike, step: int | None = None) -> int:
-    """Restores the latest (or `step`'s) checkpoint; returns its step."""
+    """Restores the newest checkpoint that verifies (or `step`'s); returns its step.
+
+    Newer ones that do not verify are skipped with a warning; `CheckpointError`
+    if none verifies (`models.checkpoint`).
+    """
     with checkpoint.manager(directory) as manager:
-      step = checkpoint.step_to_restore(manager, step, directory)
+      step = checkpoint.newest_good_step(manager, directory, step)
       restored = manager.restore(step, args=ocp.args.Composite(
           **{checkpoint.PARAMS: checkpoint.restore_args(self.model)},
           optimizer=checkpoint.restore_args(self.optimizer), meta=ocp.args.JsonRestore()))
+    meta = restored["meta"]
+    if not all(isinstance(meta.get(k), int) and meta[k] >= 0 for k in ("cursor", "step")):
+      raise checkpoint.CheckpointError(
+          f"{checkpoint.step_dir(directory, step)}: its cursor and step must be ints >= 0, "
+          f"got {meta.get('cursor')!r} and {meta.get('step')!r}")
     checkpoint.update(self.model, restored[checkpoint.PARAMS])
     checkpoint.update(self.optimizer, restored["optimizer"])
-    self.cursor, self.step_count = restored["meta"]["cursor"], restored["meta"]["step"]
+    self.cursor, self.step_count = meta["cursor"], meta["step"]
+    self.last_saved = (step, os.path.abspath(directory))
     return step
+
+
+def _describe(saved: tuple[int, str] | None) -> str:
+  return "none" if saved is None else f"step {saved[0]} under {saved[1]}"
 
 
 def _fitting_prefix(requests: list[Request], num_candidates: int) -> int:

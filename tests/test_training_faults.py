@@ -1,0 +1,182 @@
+"""Training on the fault space: kills, signals, corrupt checkpoints, full disks, extensions.
+
+Each test is one way a real run lost work or trained on garbage before: the
+command line saved only at the end, checkpoints had no integrity check, a full
+disk was found after the last step, and chained runs followed different schedules.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from ikbo_jax.data.synthetic import ClickGenerator
+from ikbo_jax.models import RankerConfig, load_ranker
+from ikbo_jax.models import checkpoint
+from ikbo_jax.training import TrainConfig, Trainer
+from ikbo_jax.training.run_guard import SaveInterval, preflight
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIG = RankerConfig()
+ARGS = ["--users", "4", "--candidates", "64", "--eval-requests", "20", "--no-progress"]
+
+
+def _cli(*args, check=True) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", "ikbo_jax.training", *ARGS, *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300, check=check)
+
+
+def _report(run: subprocess.CompletedProcess) -> dict:
+  return json.loads(run.stdout[run.stdout.index("{"):])
+
+
+def _sealed_steps(directory: pathlib.Path) -> list[int]:
+  return sorted(int(p.parent.name) for p in directory.glob(f"*/{checkpoint.SEAL}"))
+
+
+def _start(*args) -> subprocess.Popen:
+  return subprocess.Popen([sys.executable, "-m", "ikbo_jax.training", *ARGS, *args], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_a_save(directory: pathlib.Path, process: subprocess.Popen, after: int = 0) -> None:
+  deadline = time.time() + 120
+  while not [s for s in _sealed_steps(directory) if s > after]:
+    assert process.poll() is None, process.communicate()
+    assert time.time() < deadline, "no checkpoint was saved"
+    time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def straight():
+  """The report of one uninterrupted 120-step run."""
+  return _report(_cli("--steps", "120"))
+
+
+def test_killed_at_any_step_a_run_loses_at_most_a_save_interval_and_resumes_exactly(
+    tmp_path, straight):
+  directory = tmp_path / "ckpt"
+  run = _start("--steps", "120", "--checkpoint-dir", str(directory), "--save-every-steps", "10")
+  _wait_for_a_save(directory, run, after=20)
+  run.send_signal(signal.SIGKILL)
+  run.wait()
+  killed_at = max(_sealed_steps(directory))
+  resumed = _cli("--steps", "120", "--checkpoint-dir", str(directory))
+  assert f"resumed from step {killed_at}" in resumed.stdout
+  report = _report(resumed)
+  assert report["steps"] == 120
+  # The same parameters at the end: the held-out AUC and loss match to the bit.
+  assert (report["auc_after"], report["eval_loss"]) == (straight["auc_after"],
+                                                        straight["eval_loss"])
+
+
+def test_sigterm_saves_and_exits(tmp_path):
+  directory = tmp_path / "ckpt"
+  run = _start("--steps", "100000", "--checkpoint-dir", str(directory),
+               "--save-every-steps", "10")
+  _wait_for_a_save(directory, run)
+  run.send_signal(signal.SIGTERM)
+  out, err = run.communicate(timeout=120)
+  assert run.returncode == 0, err
+  stopped = int(err.split("stopped at step ")[1].split(";")[0])
+  assert f"saved step {stopped} under" in err and max(_sealed_steps(directory)) == stopped
+
+
+def test_a_run_extended_in_pieces_equals_one_straight_run(tmp_path, straight):
+  directory = str(tmp_path / "ckpt")
+  _cli("--steps", "50", "--schedule-steps", "120", "--checkpoint-dir", directory)
+  second = _cli("--steps", "120", "--checkpoint-dir", directory)
+  assert "resumed from step 50" in second.stdout
+  assert "the schedule runs over 120 steps" in second.stdout
+  assert _report(second)["eval_loss"] == straight["eval_loss"]
+
+
+def _trained(tmp_path, saves=(2, 4)) -> Trainer:
+  trainer = Trainer(CONFIG, TrainConfig(steps=max(saves), num_users=4, num_candidates=64),
+                    ClickGenerator(CONFIG, seed=0).request)
+  for step in range(1, max(saves) + 1):
+    trainer.step()
+    if step in saves:
+      trainer.save(tmp_path)
+  trainer.close()
+  return trainer
+
+
+def _flip_bytes(directory, step, count=32) -> pathlib.Path:
+  files = [p for p in checkpoint.step_dir(directory, step).rglob("*")
+           if p.is_file() and p.name != checkpoint.SEAL and p.stat().st_size > 1000]
+  target = max(files, key=lambda p: p.stat().st_size)
+  data = bytearray(target.read_bytes())
+  for i in np.random.default_rng(0).choice(len(data), count, replace=False):
+    data[i] ^= 0xFF
+  target.write_bytes(bytes(data))
+  return target
+
+
+def test_a_corrupt_checkpoint_falls_back_to_the_previous_good_one(tmp_path):
+  _trained(tmp_path)
+  broken = _flip_bytes(tmp_path, 4)
+  fresh = Trainer(CONFIG, TrainConfig(steps=4, num_users=4, num_candidates=64),
+                  ClickGenerator(CONFIG, seed=0).request)
+  with pytest.warns(UserWarning, match=f"{broken.name} is changed since the step was saved"):
+    assert fresh.restore(tmp_path) == 2
+  with pytest.warns(UserWarning):
+    load_ranker(CONFIG, tmp_path)  # serving falls back the same way
+
+
+def test_no_good_checkpoint_is_an_error_naming_the_file_for_training_and_serving(tmp_path):
+  _trained(tmp_path)
+  _flip_bytes(tmp_path, 4)
+  broken = _flip_bytes(tmp_path, 2)
+  fresh = Trainer(CONFIG, TrainConfig(steps=4), ClickGenerator(CONFIG, seed=0).request)
+  with pytest.raises(checkpoint.CheckpointError, match=f"{broken.name} is changed"):
+    fresh.restore(tmp_path)
+  with pytest.raises(checkpoint.CheckpointError, match="no checkpoint under .* verifies"):
+    load_ranker(CONFIG, tmp_path)
+
+
+def test_an_unsealed_or_edited_step_is_not_trusted(tmp_path):
+  _trained(tmp_path)
+  (checkpoint.step_dir(tmp_path, 4) / checkpoint.SEAL).unlink()  # a save that never finished
+  meta = checkpoint.step_dir(tmp_path, 2) / "meta" / "metadata"
+  meta.write_text(json.dumps({**json.loads(meta.read_text()), "cursor": -5}))
+  checkpoint.seal(tmp_path, 2)  # sealed as written: the metadata check itself must refuse
+  fresh = Trainer(CONFIG, TrainConfig(steps=4), ClickGenerator(CONFIG, seed=0).request)
+  with pytest.warns(UserWarning, match="has no integrity.json"):
+    with pytest.raises(checkpoint.CheckpointError, match="cursor and step must be ints >= 0"):
+      fresh.restore(tmp_path)
+
+
+def test_preflight_refuses_a_file_and_a_full_disk_before_step_one(tmp_path):
+  path = tmp_path / "taken"
+  path.write_text("not a directory")
+  with pytest.raises(checkpoint.CheckpointError, match="is a file"):
+    preflight(path, 1000)
+  with pytest.raises(checkpoint.CheckpointError, match="two checkpoints need"):
+    preflight(tmp_path / "ckpt", 10**18)
+  run = _cli("--steps", "5", "--checkpoint-dir", str(path), check=False)
+  assert run.returncode == 1 and "is a file" in run.stderr and "step 1" not in run.stdout
+
+
+def test_save_interval_in_steps_and_minutes():
+  interval = SaveInterval(steps=10, minutes=1e-6, last_step=0)
+  time.sleep(0.001)
+  assert interval.due(1)  # the minutes passed
+  interval = SaveInterval(steps=10, minutes=60.0, last_step=0)
+  assert not interval.due(9) and interval.due(10)
+  with pytest.raises(ValueError, match="steps >= 1"):
+    SaveInterval(steps=0, minutes=1.0)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_an_unwritable_directory_is_refused(tmp_path):
+  locked = tmp_path / "locked"
+  locked.mkdir(mode=0o500)
+  with pytest.raises(checkpoint.CheckpointError, match="cannot write checkpoints"):
+    preflight(locked / "ckpt", 1000)
