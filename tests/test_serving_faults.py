@@ -279,6 +279,21 @@ def test_a_serving_trace_brings_popular_users_back():
   assert max(r.num_candidates for r in trace) > 3 * np.median([r.num_candidates for r in trace])
 
 
+def test_a_model_that_fails_to_start_is_never_ready_and_not_live():
+  def build():
+    raise RuntimeError("a smoke request got non-finite scores")
+
+  with (loopback.serving(create_app(build)) as served_at,
+        httpx.Client(base_url=served_at.url) as client):
+    deadline = time.time() + 30
+    while client.get("/health/live").status_code == 200 and time.time() < deadline:
+      time.sleep(0.02)
+    live = client.get("/health/live")
+    assert live.status_code == 503 and "non-finite" in live.json()["error"]
+    assert client.get("/health/ready").status_code == 503
+    assert client.post("/score", json=_body(_requests(1)[0])).status_code == 503
+
+
 @pytest.mark.parametrize("name, value", [("max_queued_candidates", 0),
                                          ("default_timeout_ms", 0)])
 def test_admission_arguments_are_checked(name, value):

@@ -180,3 +180,12 @@ def test_an_unwritable_directory_is_refused(tmp_path):
   locked.mkdir(mode=0o500)
   with pytest.raises(checkpoint.CheckpointError, match="cannot write checkpoints"):
     preflight(locked / "ckpt", 1000)
+
+
+def test_the_server_refuses_to_start_on_a_checkpoint_that_does_not_verify(tmp_path):
+  _trained(tmp_path, saves=(2,))
+  _flip_bytes(tmp_path, 2)
+  run = subprocess.run([sys.executable, "-m", "ikbo_jax.serving", "--checkpoint-dir",
+                        str(tmp_path), "--port", "0"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+  assert run.returncode == 1 and "cannot serve" in run.stderr and "is changed" in run.stderr

@@ -76,7 +76,11 @@ def _serve(args, parser) -> None:
   import uvicorn
   from flax import nnx
 
+  import numpy as np
+
+  from ikbo_jax.data.synthetic import ClickGenerator
   from ikbo_jax.models import Ranker, load_ranker
+  from ikbo_jax.models.checkpoint import CheckpointError
   from ikbo_jax.serving.batcher import BatchingConfig
   from ikbo_jax.serving.buckets import BucketedModel, default_buckets
   from ikbo_jax.serving.devices import DeviceSet
@@ -89,21 +93,31 @@ def _serve(args, parser) -> None:
   buckets = default_buckets(config, max_batch_requests=args.max_batch_requests,
                             mean_candidates=args.mean_candidates)
 
+  if args.checkpoint_dir:
+    try:  # before the port opens: a checkpoint that does not verify never serves
+      ranker = load_ranker(config, args.checkpoint_dir)
+    except (CheckpointError, FileNotFoundError) as e:
+      parser.exit(1, f"cannot serve {args.checkpoint_dir}: {e}\n")
+  else:
+    print("no --checkpoint-dir: serving random weights")
+    ranker = Ranker(config, rngs=nnx.Rngs(0))
+
   def build_model():
     """Runs on a thread once the port is open; the server is ready when it returns."""
-    if args.checkpoint_dir:
-      ranker = load_ranker(config, args.checkpoint_dir)
-    else:
-      print("no --checkpoint-dir: serving random weights")
-      ranker = Ranker(config, rngs=nnx.Rngs(0))
     print(f"compiling {len(buckets)} buckets of the {args.build} build on {args.devices} "
           "device(s)...", flush=True)
     progress = lambda bucket, seconds: print(f"  compiled {bucket} in {seconds:.1f} s",
                                              flush=True)
     if args.devices == 1:
-      return BucketedModel(ranker, buckets, args.build, on_compiled=progress)
-    return DeviceSet(ranker, buckets, args.build, devices=jax.local_devices()[:args.devices],
-                     on_compiled=progress)
+      model = BucketedModel(ranker, buckets, args.build, on_compiled=progress)
+    else:
+      model = DeviceSet(ranker, buckets, args.build, devices=jax.local_devices()[:args.devices],
+                        on_compiled=progress)
+    # A smoke batch: parameters that pass the checksums can still be garbage.
+    smoke = ClickGenerator(config, seed=0).request(0).validated(config)
+    if not np.isfinite(model([smoke])[0]).all():
+      raise RuntimeError("a smoke request got non-finite scores: the parameters are broken")
+    return model
 
   batching = BatchingConfig(args.max_batch_requests, args.batch_timeout_ms,
                             max_queued_candidates=args.max_queued_candidates,

@@ -80,14 +80,16 @@ def create_app(model: Scorer | Callable[[], Scorer], batching: BatchingConfig = 
 
   `model` may be a function that builds (compiles) the model: it then runs on a
   thread after the server starts, and the server answers 503 and reports not
-  ready until it is done.
+  ready until it is done. If it fails (a smoke batch with non-finite scores,
+  say), the server never becomes ready and `/health/live` fails too, with the
+  reason, so that an orchestrator restarts it rather than waiting.
   """
   metrics = ServingMetrics()
   active = 0  # POST /score requests in the handler now
 
   @contextlib.asynccontextmanager
   async def lifespan(app: Starlette):
-    app.state.batcher = app.state.model = None
+    app.state.batcher = app.state.model = app.state.failed = None
     async with contextlib.AsyncExitStack() as stack:
       async def start():
         served = model if isinstance(model, Scorer) else await asyncio.to_thread(model)
@@ -96,11 +98,18 @@ def create_app(model: Scorer | Callable[[], Scorer], batching: BatchingConfig = 
         metrics.watch_queue(lambda: batcher.queued_requests, lambda: batcher.queued_candidates)
         app.state.model, app.state.batcher = served, batcher
 
+      async def start_or_fail():
+        try:
+          await start()
+        except Exception as e:  # the reason goes to the log and the probes, in one line
+          app.state.failed = f"{type(e).__name__}: {e}"
+          _LOG.error("the model could not be started: %s", app.state.failed)
+
       if isinstance(model, Scorer):
         await start()
         yield
       else:
-        starting = asyncio.create_task(start())
+        starting = asyncio.create_task(start_or_fail())
         yield
         starting.cancel()
 
@@ -131,14 +140,18 @@ def create_app(model: Scorer | Callable[[], Scorer], batching: BatchingConfig = 
     return response
 
   def health(http_request: HttpRequest) -> JSONResponse:
-    served = http_request.app.state.model
+    served, failed = http_request.app.state.model, http_request.app.state.failed
     if served is None:
-      return JSONResponse({"status": "starting"}, status_code=503)
+      return JSONResponse({"status": "failed", "error": failed} if failed else
+                          {"status": "starting"}, status_code=503)
     return JSONResponse({"status": "ok", "build": served.build,
                          "buckets": [dataclasses.asdict(b) for b in served.buckets],
                          "request": _request_schema(served, limits)})
 
   def live(http_request: HttpRequest) -> JSONResponse:
+    failed = http_request.app.state.failed
+    if failed:
+      return JSONResponse({"status": "failed", "error": failed}, status_code=503)
     return JSONResponse({"status": "alive"})
 
   def ready(http_request: HttpRequest) -> JSONResponse:
