@@ -119,9 +119,18 @@ def _flip_bytes(directory, step, count=32) -> pathlib.Path:
   return target
 
 
-def test_a_corrupt_checkpoint_falls_back_to_the_previous_good_one(tmp_path):
+def _truncate(directory, step) -> pathlib.Path:
+  files = [p for p in checkpoint.step_dir(directory, step).rglob("*")
+           if p.is_file() and p.name != checkpoint.SEAL]
+  target = max(files, key=lambda p: p.stat().st_size)
+  target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+  return target
+
+
+@pytest.mark.parametrize("corrupt", [_flip_bytes, _truncate], ids=["flipped", "truncated"])
+def test_a_corrupt_checkpoint_falls_back_to_the_previous_good_one(tmp_path, corrupt):
   _trained(tmp_path)
-  broken = _flip_bytes(tmp_path, 4)
+  broken = corrupt(tmp_path, 4)
   fresh = Trainer(CONFIG, TrainConfig(steps=4, num_users=4, num_candidates=64),
                   ClickGenerator(CONFIG, seed=0).request)
   with pytest.warns(UserWarning, match=f"{broken.name} is changed since the step was saved"):
