@@ -184,6 +184,11 @@ def test_not_ready_until_the_model_is_built():
     assert client.post("/score", json=body).status_code == 200
     health = client.get("/health").json()
     assert health["request"]["fields"]["cand_dense"].startswith("float[n, ")
+    spec = client.get("/openapi.json").json()
+    body = spec["paths"]["/score"]["post"]["requestBody"]["content"]["application/json"]
+    assert set(body["schema"]["required"]) == set(_FIELDS)
+    assert {"200", "413", "429", "503"} <= set(map(str, spec["paths"]["/score"]["post"][
+        "responses"]))
 
 
 def test_shutdown_answers_what_is_in_flight_then_exits():

@@ -14,7 +14,9 @@
 A request's deadline is the `X-Timeout-Ms` header or the batcher's default.
 `GET /health/live` answers while the process runs, `GET /health/ready` only once
 every bucket is compiled; `GET /health` reports the build, the buckets and the
-request fields the loaded model takes; `GET /metrics` is Prometheus' (`metrics`).
+request fields the loaded model takes; `GET /metrics` is Prometheus' (`metrics`);
+`GET /openapi.json` describes `POST /score` (Starlette's schema generator reads
+it from the handler's docstring).
 Nothing a client sends reaches the log as a traceback: every failure is one of
 the statuses above, and an unexpected one is a 500 logged in one line.
 """
@@ -34,7 +36,9 @@ from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.schemas import SchemaGenerator
 
+from ikbo_jax import __version__
 from ikbo_jax.data import Request, RequestError
 from ikbo_jax.serving.batcher import Batcher, BatchingConfig, DeadlineExceeded, Overloaded
 from ikbo_jax.serving.metrics import ServingMetrics
@@ -114,6 +118,39 @@ def create_app(model: Scorer | Callable[[], Scorer], batching: BatchingConfig = 
         starting.cancel()
 
   async def score(http_request: HttpRequest) -> Response:
+    """Scores one request's candidates (the OpenAPI operation below, served at /openapi.json).
+    ---
+    summary: Click probabilities of one user's candidates, in candidate order.
+    parameters:
+      - {name: X-Timeout-Ms, in: header, required: false, schema: {type: number},
+         description: the request's deadline in milliseconds (default the server's)}
+    requestBody:
+      required: true
+      content:
+        application/json:
+          schema:
+            type: object
+            required: [user_dense, history, cand_items, cand_dense]
+            additionalProperties: false
+            properties:
+              user_dense: {type: array, items: {type: number},
+                           description: the user's profile features (GET /health gives how many)}
+              history: {type: array, items: {type: integer, minimum: 0},
+                        description: item ids of the behaviour history, most recent last}
+              cand_items: {type: array, minItems: 1, items: {type: integer, minimum: 0},
+                           description: the candidates' item ids}
+              cand_dense: {type: array, items: {type: array, items: {type: number}},
+                           description: per candidate, its statistics}
+    responses:
+      200: {description: "{scores: [...]}, one probability per candidate"}
+      400: {description: malformed (the error names the field)}
+      408: {description: the body did not arrive in time}
+      413: {description: body or candidate count over the limit}
+      415: {description: the content type is not application/json}
+      422: {description: the scores are not finite (inputs overflow the model)}
+      429: {description: "the queue is full; see Retry-After"}
+      503: {description: "the deadline passed in the queue, or not ready; see Retry-After"}
+    """
     nonlocal active
     start = time.perf_counter()
     active += 1
@@ -162,11 +199,19 @@ def create_app(model: Scorer | Callable[[], Scorer], batching: BatchingConfig = 
     body, content_type = metrics.exposition()
     return Response(body, media_type=content_type)
 
+  schemas = SchemaGenerator({"openapi": "3.0.0",
+                             "info": {"title": "ikbo_jax ranking", "version": __version__}})
+
+  def openapi(http_request: HttpRequest) -> JSONResponse:
+    return JSONResponse(schemas.get_schema(routes=http_request.app.routes))
+
   return Starlette(routes=[Route("/score", score, methods=["POST"]),
                            Route("/health", health, methods=["GET"]),
                            Route("/health/live", live, methods=["GET"]),
                            Route("/health/ready", ready, methods=["GET"]),
-                           Route("/metrics", scrape, methods=["GET"])], lifespan=lifespan)
+                           Route("/metrics", scrape, methods=["GET"]),
+                           Route("/openapi.json", openapi, methods=["GET"],
+                                 include_in_schema=False)], lifespan=lifespan)
 
 
 async def _score(http_request: HttpRequest, limits: HttpLimits) -> list[float]:
