@@ -198,3 +198,24 @@ def test_the_server_refuses_to_start_on_a_checkpoint_that_does_not_verify(tmp_pa
                         str(tmp_path), "--port", "0"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
   assert run.returncode == 1 and "cannot serve" in run.stderr and "is changed" in run.stderr
+
+
+def test_a_disk_that_fills_during_the_run_stops_it_naming_the_last_good_checkpoint(
+    tmp_path, monkeypatch, capsys):
+  """After the preflight passed: the third save finds no space."""
+  from ikbo_jax.training import __main__ as train_command
+  saves, real_save = [], Trainer.save
+
+  def save(self, directory, *, wait=True):
+    saves.append(self.step_count)
+    if len(saves) == 3:
+      raise OSError(28, "No space left on device")
+    real_save(self, directory, wait=wait)
+
+  monkeypatch.setattr(Trainer, "save", save)
+  with pytest.raises(SystemExit) as exit_:
+    train_command.main([*ARGS, "--steps", "60", "--checkpoint-dir", str(tmp_path),
+                        "--save-every-steps", "10"])
+  err = capsys.readouterr().err
+  assert exit_.value.code == 1 and "No space left on device" in err
+  assert f"the last good checkpoint is step {saves[1]} under" in err

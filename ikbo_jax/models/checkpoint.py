@@ -37,8 +37,9 @@ class CheckpointError(RuntimeError):
 
 
 def manager(directory: str | os.PathLike, max_to_keep: int = 3) -> ocp.CheckpointManager:
-  return ocp.CheckpointManager(os.path.abspath(directory),
-                               options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
+  """An orbax manager of `directory`; it removes the temporary files of saves that died."""
+  return ocp.CheckpointManager(os.path.abspath(directory), options=ocp.CheckpointManagerOptions(
+      max_to_keep=max_to_keep, cleanup_tmp_directories=True))
 
 
 def save_args(obj):

@@ -16,6 +16,7 @@ not applied). Prints the held-out AUC before and after.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 from ikbo_jax import __version__, _cli
@@ -102,6 +103,13 @@ def _train(args, parser) -> dict:
       trainer.save(args.checkpoint_dir)
   except (Divergence, CheckpointError) as e:
     parser.exit(1, f"training stopped: {e}\n")
+  except OSError as e:  # a save that failed mid-run (a full disk, a vanished directory)
+    with contextlib.suppress(OSError):  # an earlier save still in flight may have finished
+      trainer.seal_finished_save(wait=True)
+    saved = trainer.last_saved
+    parser.exit(1, f"training stopped at step {trainer.step_count}: a checkpoint could not be "
+                   f"written ({e}); the last good checkpoint is "
+                   + (f"step {saved[0]} under {saved[1]}\n" if saved else "none\n"))
   finally:
     trainer.close()
   report = dict(device=jax.devices()[0].device_kind, preset=args.preset, build=args.build,
