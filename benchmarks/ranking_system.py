@@ -220,7 +220,8 @@ def overload(preset: str, build: str, requests, qps: float, seconds: float, proc
   finally:
     if server.poll() is None:
       server.kill()
-  print(f"overload {build} at {qps:.0f}/s: {stats['answered']} answered, "
+  print(f"overload {build} at {qps:.0f}/s (sent {stats['sent_qps']:.0f}/s): "
+        f"{stats['answered']} answered, "
         f"{stats['errors_by_kind']}; p99 {stats['p99_ms']:.1f} ms (server <= "
         f"{stats['server_p99_ms_at_most']:.0f} ms)", flush=True)
   return stats
@@ -245,8 +246,8 @@ def main() -> None:
   parser.add_argument("--overload-factor", type=float, default=3.0,
                       help="overload: offered rate as a multiple of the sustained one")
   parser.add_argument("--overload-seconds", type=float, help="default 60, --small 2")
-  parser.add_argument("--client-processes", type=int, default=4,
-                      help="overload: load generator processes")
+  parser.add_argument("--client-processes", type=int,
+                      help="overload: load generator processes (default 4, --small 1)")
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
   if args.small:
@@ -280,7 +281,7 @@ def main() -> None:
       trace = serving_trace(gen, int(qps * seconds) + 1)
       payload["overload"][build] = dict(sustained_qps=sustained[build], **overload(
           "small" if args.small else "benchmark", build, trace, qps, seconds,
-          1 if args.small else args.client_processes, mean))
+          args.client_processes or (1 if args.small else 4), mean))
   common.write_json(args.out, payload)
 
 

@@ -41,7 +41,9 @@ class Tally:
   sent: int = 0
   candidates: int = 0
   seconds: float = 0.0
-  last_arrival: float = 0.0
+  last_arrival: float = 0.0  # the schedule's last send time
+  last_sent: float = 0.0  # when the last request actually went out
+  max_lag: float = 0.0  # the longest a send ran behind its schedule
 
 
 def _kind(error: Exception) -> str:
@@ -74,8 +76,10 @@ async def drive(send: Callable[[object], Awaitable], items: Sequence, *, qps: fl
     if arrival > max_seconds:
       break
     await asyncio.sleep(max(start + arrival - loop.time(), 0))
+    tally.max_lag = max(tally.max_lag, loop.time() - start - arrival)
     tasks.append(asyncio.create_task(one(item)))
     tally.sent, tally.last_arrival = tally.sent + 1, float(arrival)
+    tally.last_sent = loop.time() - start
     tally.candidates += int(count)
   await asyncio.gather(*tasks)
   tally.seconds = loop.time() - start
@@ -91,7 +95,12 @@ def summarize(tallies: Sequence[Tally], qps: float) -> dict:
   p50, p90, p99 = (np.percentile(latencies, (50, 90, 99)) if latencies else (np.nan,) * 3)
   # The realized rate of this finite Poisson draw: what "keeping up" is judged against.
   offered = sent / last_arrival if last_arrival > 0 else float(sent)
-  return dict(target_qps=qps, offered_qps=offered, requests=sent, answered=len(latencies),
+  # What went out: below `offered` when the client itself fell behind its schedule.
+  last_sent = max(t.last_sent for t in tallies)
+  sent_qps = sent / last_sent if last_sent > 0 else float(sent)
+  return dict(target_qps=qps, offered_qps=offered, sent_qps=sent_qps,
+              max_send_lag_ms=1e3 * max(t.max_lag for t in tallies), requests=sent,
+              answered=len(latencies),
               errors=sum(errors.values()), errors_by_kind=dict(errors),
               candidates=sum(t.candidates for t in tallies), seconds=elapsed,
               achieved_qps=len(latencies) / elapsed, p50_ms=float(p50), p90_ms=float(p90),
@@ -114,11 +123,15 @@ def format_row(name: str, stats: dict) -> str:
   even when every request is answered.
   """
   kinds = ", ".join(f"{n} {kind}" for kind, n in stats.get("errors_by_kind", {}).items())
-  return (f"{name:>9}: {stats['requests']} requests sent at {stats['offered_qps']:.0f}/s "
-          f"(target {stats['target_qps']:.0f}/s), {stats['answered']} answered"
-          f"{f' ({kinds})' if kinds else ''} in {stats['seconds']:.1f} s; latency "
-          f"p50 {stats['p50_ms']:.1f} ms, p90 {stats['p90_ms']:.1f} ms, "
-          f"p99 {stats['p99_ms']:.1f} ms")
+  row = (f"{name:>9}: {stats['requests']} requests sent at {stats['sent_qps']:.0f}/s "
+         f"(target {stats['target_qps']:.0f}/s), {stats['answered']} answered"
+         f"{f' ({kinds})' if kinds else ''} in {stats['seconds']:.1f} s; latency "
+         f"p50 {stats['p50_ms']:.1f} ms, p90 {stats['p90_ms']:.1f} ms, "
+         f"p99 {stats['p99_ms']:.1f} ms")
+  if stats["sent_qps"] < 0.9 * stats["offered_qps"]:
+    row += (f"; the load generator fell behind its schedule (up to "
+            f"{stats['max_send_lag_ms']:.0f} ms): its latencies include its own delay")
+  return row
 
 
 async def _serve_load(model: BucketedModel, requests, batching, qps, max_seconds) -> dict:
