@@ -89,7 +89,6 @@ def create_app(model: Scorer | Callable[[], Scorer], batching: BatchingConfig = 
   reason, so that an orchestrator restarts it rather than waiting.
   """
   metrics = ServingMetrics()
-  active = 0  # POST /score requests in the handler now
 
   @contextlib.asynccontextmanager
   async def lifespan(app: Starlette):
@@ -117,101 +116,114 @@ def create_app(model: Scorer | Callable[[], Scorer], batching: BatchingConfig = 
         yield
         starting.cancel()
 
-  async def score(http_request: HttpRequest) -> Response:
-    """Scores one request's candidates (the OpenAPI operation below, served at /openapi.json).
-    ---
-    summary: Click probabilities of one user's candidates, in candidate order.
-    parameters:
-      - {name: X-Timeout-Ms, in: header, required: false, schema: {type: number},
-         description: the request's deadline in milliseconds (default the server's)}
-    requestBody:
-      required: true
-      content:
-        application/json:
-          schema:
-            type: object
-            required: [user_dense, history, cand_items, cand_dense]
-            additionalProperties: false
-            properties:
-              user_dense: {type: array, items: {type: number},
-                           description: the user's profile features (GET /health gives how many)}
-              history: {type: array, items: {type: integer, minimum: 0},
-                        description: item ids of the behaviour history, most recent last}
-              cand_items: {type: array, minItems: 1, items: {type: integer, minimum: 0},
-                           description: the candidates' item ids}
-              cand_dense: {type: array, items: {type: array, items: {type: number}},
-                           description: per candidate, its statistics}
-    responses:
-      200: {description: "{scores: [...]}, one probability per candidate"}
-      400: {description: malformed (the error names the field)}
-      408: {description: the body did not arrive in time}
-      413: {description: body or candidate count over the limit}
-      415: {description: the content type is not application/json}
-      422: {description: the scores are not finite (inputs overflow the model)}
-      429: {description: "the queue is full; see Retry-After"}
-      503: {description: "the deadline passed in the queue, or not ready; see Retry-After"}
-    """
-    nonlocal active
-    start = time.perf_counter()
-    active += 1
-    try:
-      if active > limits.max_active:
-        raise _Refusal(429, f"{limits.max_active} requests are being served; retry later",
-                       retry=True)
-      response = JSONResponse({"scores": await _score(http_request, limits)})
-    except _Refusal as refusal:
-      if refusal.status in (429, 503):
-        reason = {429: "overloaded"}.get(refusal.status, (
-            "deadline" if http_request.app.state.batcher else "not_ready"))
-        metrics.refused.labels(reason).inc()
-      headers = {"Retry-After": str(limits.retry_after_s)} if refusal.retry else None
-      response = JSONResponse({"error": str(refusal)}, status_code=refusal.status,
-                              headers=headers)
-    except Exception as e:  # a defect of ours: one line in the log, no traceback
-      _LOG.error("POST /score failed: %s: %s", type(e).__name__, e)
-      response = JSONResponse({"error": f"internal error ({type(e).__name__})"}, status_code=500)
-    finally:
-      active -= 1
-    metrics.request_seconds.labels("/score", str(response.status_code)).observe(
-        time.perf_counter() - start)
-    return response
+  app = Starlette(routes=_ROUTES, lifespan=lifespan)
+  app.state.metrics, app.state.limits = metrics, limits
+  app.state.active = 0  # POST /score requests in the handler now
+  return app
 
-  def health(http_request: HttpRequest) -> JSONResponse:
-    served, failed = http_request.app.state.model, http_request.app.state.failed
-    if served is None:
-      return JSONResponse({"status": "failed", "error": failed} if failed else
-                          {"status": "starting"}, status_code=503)
-    return JSONResponse({"status": "ok", "build": served.build,
-                         "buckets": [dataclasses.asdict(b) for b in served.buckets],
-                         "request": _request_schema(served, limits)})
 
-  def live(http_request: HttpRequest) -> JSONResponse:
-    failed = http_request.app.state.failed
-    if failed:
-      return JSONResponse({"status": "failed", "error": failed}, status_code=503)
-    return JSONResponse({"status": "alive"})
+async def _score_route(http_request: HttpRequest) -> Response:
+  """Scores one request's candidates (the OpenAPI operation below, served at /openapi.json).
+  ---
+  summary: Click probabilities of one user's candidates, in candidate order.
+  parameters:
+    - {name: X-Timeout-Ms, in: header, required: false, schema: {type: number},
+       description: the request's deadline in milliseconds (default the server's)}
+  requestBody:
+    required: true
+    content:
+      application/json:
+        schema:
+          type: object
+          required: [user_dense, history, cand_items, cand_dense]
+          additionalProperties: false
+          properties:
+            user_dense: {type: array, items: {type: number},
+                         description: the user's profile features (GET /health gives how many)}
+            history: {type: array, items: {type: integer, minimum: 0},
+                      description: item ids of the behaviour history, most recent last}
+            cand_items: {type: array, minItems: 1, items: {type: integer, minimum: 0},
+                         description: the candidates' item ids}
+            cand_dense: {type: array, items: {type: array, items: {type: number}},
+                         description: per candidate, its statistics}
+  responses:
+    200: {description: "{scores: [...]}, one probability per candidate"}
+    400: {description: malformed (the error names the field)}
+    408: {description: the body did not arrive in time}
+    413: {description: body or candidate count over the limit}
+    415: {description: the content type is not application/json}
+    422: {description: the scores are not finite (inputs overflow the model)}
+    429: {description: "the queue is full; see Retry-After"}
+    503: {description: "the deadline passed in the queue, or not ready; see Retry-After"}
+  """
+  state = http_request.app.state
+  limits, metrics = state.limits, state.metrics
+  start = time.perf_counter()
+  state.active += 1
+  try:
+    if state.active > limits.max_active:
+      raise _Refusal(429, f"{limits.max_active} requests are being served; retry later",
+                     retry=True)
+    response = JSONResponse({"scores": await _score(http_request, limits)})
+  except _Refusal as refusal:
+    if refusal.status in (429, 503):
+      reason = {429: "overloaded"}.get(refusal.status,
+                                       "deadline" if state.batcher else "not_ready")
+      metrics.refused.labels(reason).inc()
+    headers = {"Retry-After": str(limits.retry_after_s)} if refusal.retry else None
+    response = JSONResponse({"error": str(refusal)}, status_code=refusal.status,
+                            headers=headers)
+  except Exception as e:  # a defect of ours: one line in the log, no traceback
+    _LOG.error("POST /score failed: %s: %s", type(e).__name__, e)
+    response = JSONResponse({"error": f"internal error ({type(e).__name__})"}, status_code=500)
+  finally:
+    state.active -= 1
+  metrics.request_seconds.labels("/score", str(response.status_code)).observe(
+      time.perf_counter() - start)
+  return response
 
-  def ready(http_request: HttpRequest) -> JSONResponse:
-    is_ready = http_request.app.state.batcher is not None
-    return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
 
-  def scrape(http_request: HttpRequest) -> Response:
-    body, content_type = metrics.exposition()
-    return Response(body, media_type=content_type)
+def _health(http_request: HttpRequest) -> JSONResponse:
+  state = http_request.app.state
+  if state.model is None:
+    return JSONResponse({"status": "failed", "error": state.failed} if state.failed else
+                        {"status": "starting"}, status_code=503)
+  return JSONResponse({"status": "ok", "build": state.model.build,
+                       "buckets": [dataclasses.asdict(b) for b in state.model.buckets],
+                       "request": _request_schema(state.model, state.limits)})
 
-  schemas = SchemaGenerator({"openapi": "3.0.0",
-                             "info": {"title": "ikbo_jax ranking", "version": __version__}})
 
-  def openapi(http_request: HttpRequest) -> JSONResponse:
-    return JSONResponse(schemas.get_schema(routes=http_request.app.routes))
+def _live(http_request: HttpRequest) -> JSONResponse:
+  failed = http_request.app.state.failed
+  if failed:
+    return JSONResponse({"status": "failed", "error": failed}, status_code=503)
+  return JSONResponse({"status": "alive"})
 
-  return Starlette(routes=[Route("/score", score, methods=["POST"]),
-                           Route("/health", health, methods=["GET"]),
-                           Route("/health/live", live, methods=["GET"]),
-                           Route("/health/ready", ready, methods=["GET"]),
-                           Route("/metrics", scrape, methods=["GET"]),
-                           Route("/openapi.json", openapi, methods=["GET"],
-                                 include_in_schema=False)], lifespan=lifespan)
+
+def _ready(http_request: HttpRequest) -> JSONResponse:
+  is_ready = http_request.app.state.batcher is not None
+  return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
+
+
+def _scrape(http_request: HttpRequest) -> Response:
+  body, content_type = http_request.app.state.metrics.exposition()
+  return Response(body, media_type=content_type)
+
+
+_SCHEMAS = SchemaGenerator({"openapi": "3.0.0",
+                            "info": {"title": "ikbo_jax ranking", "version": __version__}})
+
+
+def _openapi(http_request: HttpRequest) -> JSONResponse:
+  return JSONResponse(_SCHEMAS.get_schema(routes=http_request.app.routes))
+
+
+_ROUTES = [Route("/score", _score_route, methods=["POST"]),
+           Route("/health", _health, methods=["GET"]),
+           Route("/health/live", _live, methods=["GET"]),
+           Route("/health/ready", _ready, methods=["GET"]),
+           Route("/metrics", _scrape, methods=["GET"]),
+           Route("/openapi.json", _openapi, methods=["GET"], include_in_schema=False)]
 
 
 async def _score(http_request: HttpRequest, limits: HttpLimits) -> list[float]:
