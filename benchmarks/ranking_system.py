@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -45,6 +44,7 @@ from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.models import Ranker, RankerConfig
 from ikbo_jax.serving import Batcher, BatchingConfig, BucketedModel, http_load
 from ikbo_jax.serving.load import run_load
+from ikbo_jax.testing import loopback
 from ikbo_jax.serving.buckets import default_buckets
 from ikbo_jax.training import trainer
 
@@ -165,12 +165,6 @@ def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
   return out
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _server_metrics(url: str) -> dict:
   """Refusals by reason and the server-side latency of answered requests, from /metrics."""
   families = {f.name: f for f in parser.text_string_to_metric_families(
@@ -193,7 +187,7 @@ def overload(preset: str, build: str, requests, qps: float, seconds: float, proc
   Reports what the clients saw (answers, refusals by status, resets and timeouts by
   type, latency), what the server counted, and how long its SIGTERM drain took.
   """
-  port = _free_port()
+  port = loopback.free_port()
   server = subprocess.Popen(
       [sys.executable, "-m", "ikbo_jax.serving", "--preset", preset, "--build", build,
        "--port", str(port), "--mean-candidates", str(mean_candidates)],

@@ -132,7 +132,10 @@ def _check_no_nulls(column, name: str, path) -> None:
 
 
 def _first_rows(mask) -> str:
-  rows = np.flatnonzero(np.asarray(mask.to_numpy(zero_copy_only=False), bool))
+  return _rows_text(np.flatnonzero(np.asarray(mask.to_numpy(zero_copy_only=False), bool)))
+
+
+def _rows_text(rows) -> str:
   return ", ".join(map(str, rows[:5])) + (" and more" if len(rows) > 5 else "")
 
 
@@ -172,8 +175,7 @@ def _check_values(table: pa.Table, path, config: RankerConfig) -> None:
 
   def fail(name, rows, rule):
     if len(rows):
-      shown = ", ".join(map(str, rows[:5])) + (" and more" if len(rows) > 5 else "")
-      raise DataError(f"{path}: row {shown}: field {name} {rule}")
+      raise DataError(f"{path}: row {_rows_text(rows)}: field {name} {rule}")
 
   for name in _IDS:
     ids = np.asarray(pc.list_flatten(table.column(name)))

@@ -18,12 +18,17 @@ class Loopback(NamedTuple):
   thread: threading.Thread
 
 
+def free_port() -> int:
+  """A loopback port nothing listens on now."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
 @contextlib.contextmanager
 def serving(app, **config) -> Iterator[Loopback]:
   """Runs `app` until the block ends. `config` goes to `uvicorn.Config`."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  port = free_port()
   config = dict(log_level="warning", **config)
   server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **config))
   thread = threading.Thread(target=server.run, daemon=True)

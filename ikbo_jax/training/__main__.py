@@ -62,6 +62,7 @@ def _train(args, parser) -> dict:
   from ikbo_jax.data.synthetic import ClickGenerator
   from ikbo_jax.models.checkpoint import CheckpointError
   from ikbo_jax.training import Divergence, TrainConfig, Trainer
+  from ikbo_jax.training.trainer import describe_save
   from ikbo_jax.training.run_guard import SaveInterval, StopSignals, periodic_saver, resume
 
   config = PRESETS[args.preset]()
@@ -96,7 +97,7 @@ def _train(args, parser) -> dict:
       trainer.close()
       saved = trainer.last_saved
       parser.exit(0, f"{stop.requested}: stopped at step {trainer.step_count}; saved "
-                     + (f"step {saved[0]} under {saved[1]}\n" if saved else "nothing\n"))
+                     f"{describe_save(saved)}\n")
     after = trainer.evaluate(held_out)
     trainer.seal_finished_save(wait=True)
     if args.checkpoint_dir and (trainer.last_saved or (-1,))[0] < trainer.step_count:
@@ -109,7 +110,7 @@ def _train(args, parser) -> dict:
     saved = trainer.last_saved
     parser.exit(1, f"training stopped at step {trainer.step_count}: a checkpoint could not be "
                    f"written ({e}); the last good checkpoint is "
-                   + (f"step {saved[0]} under {saved[1]}\n" if saved else "none\n"))
+                   f"{describe_save(saved)}\n")
   finally:
     trainer.close()
   report = dict(device=jax.devices()[0].device_kind, preset=args.preset, build=args.build,

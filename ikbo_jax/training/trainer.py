@@ -173,7 +173,7 @@ class Trainer:
             f"step {step} (requests from {first_request}) gave a non-finite loss or gradient "
             f"({self.skipped_steps} such steps, max_skipped_steps="
             f"{self.train_config.max_skipped_steps}); no non-finite update was applied; the "
-            f"last checkpoint is {_describe(self.last_saved)}")
+            f"last checkpoint is {describe_save(self.last_saved)}")
 
   def fit(self, steps: int, *, progress: bool = True, log_every: int = 10,
           after_step: Callable[[], bool] | None = None) -> list[float]:
@@ -285,7 +285,7 @@ class Trainer:
   def state_bytes(self) -> int:
     """Bytes of one checkpoint's arrays (the parameters and the optimizer)."""
     leaves = jax.tree.leaves((nnx.state(self.model), nnx.state(self.optimizer)))
-    return int(sum(np.asarray(x).nbytes for x in leaves if hasattr(x, "dtype")))
+    return int(sum(x.nbytes for x in leaves if hasattr(x, "nbytes")))
 
   def restore(self, directory: str | os.PathLike, step: int | None = None) -> int:
     """Restores the newest checkpoint that verifies (or `step`'s); returns its step.
@@ -310,7 +310,8 @@ class Trainer:
     return step
 
 
-def _describe(saved: tuple[int, str] | None) -> str:
+def describe_save(saved: tuple[int, str] | None) -> str:
+  """`Trainer.last_saved` in words."""
   return "none" if saved is None else f"step {saved[0]} under {saved[1]}"
 
 
