@@ -5,6 +5,7 @@
 # "lc attention self_target tests demo diagnostics"; also "sweep" (the randomized correctness
 # sweep and the regression tests, failures in full), "soak" (tools/soak.py for SOAK_MINUTES),
 # "system" (the ranking system benchmark and the main job at the benchmark preset),
+# "serving" (checkpoint cost, the serving ladder three times, a profiler trace under load),
 # "overload" (the serving ladder, then 3x the sustained rates over HTTP: refusals, resets, p99),
 # "rewrite" (original vs rewritten vs hand-written IKBO code), "fuzz" (the rewrite's property test
 # on the host's CPUs), "rewrite_tests" (the rewrite's tests on the GPU),
@@ -14,6 +15,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/ikbo_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# One compilation cache for the processes of a call (the benchmark and the servers it starts).
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}
 STEPS=${STEPS:-lc attention self_target tests demo diagnostics}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv > "$OUT/nvidia_smi.txt"
@@ -92,6 +95,16 @@ if has system; then
   timeout 240 python3 -m ikbo_jax --preset benchmark --steps 30 --requests 300 --qps 50 \
     --out "$OUT/main_job_h200.json" 2>&1 | grep -v "Warning\|it/s\|step/s" | tail -n 8
 fi
+if has serving; then
+  # In process: what checkpointing costs training, the serving ladder (call breakdown, device
+  # time, single requests, sustained rates three times), then a profiler trace under load.
+  timeout "${SERVING_TIMEOUT:-420}" python3 -m benchmarks.ranking_system --parts checkpoint serving \
+    --out "$OUT/ranking_system_serving_h200.json" 2>&1 | grep -v Warning \
+    | tee "$OUT/serving.log" | cut -c1-300 | tail -n 40
+  timeout 150 python3 -m benchmarks.serving_profile --qps "${PROFILE_QPS:-2000}" \
+    --out "$OUT/serving_profile_h200.json" --trace-dir /tmp/serving_trace 2>&1 | grep -v Warning | tail -n 4
+  gzip -c /tmp/serving_trace/*.xplane.pb > "$OUT/serving_profile_h200.xplane.pb.gz"
+fi
 if has overload; then
   # The device image has no starlette or uvicorn: carry their wheels as .whl (here:
   # pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl starlette uvicorn).
@@ -100,6 +113,7 @@ if has overload; then
   # The serving ladder (call breakdown, sustained rates), then 3x those rates over HTTP for
   # OVERLOAD_SECONDS per build from client processes.
   timeout "${OVERLOAD_TIMEOUT:-540}" python3 -m benchmarks.ranking_system --parts serving overload \
+    --repeats 1 --client-processes "${CLIENT_PROCESSES:-8}" \
     --overload-seconds "${OVERLOAD_SECONDS:-60}" --out "$OUT/ranking_system_overload_h200.json" \
     2>&1 | grep -v Warning | tee "$OUT/overload.log" | cut -c1-400 | tail -n 12
 fi

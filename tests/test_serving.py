@@ -188,19 +188,25 @@ def test_both_served_models_are_scorers(ranker, served):
     BucketedModel(ranker, BUCKETS, "fast")
 
 
-def test_a_batch_crosses_as_one_flat_buffer_and_comes_back_bit_for_bit():
-  requests = [r.validated(CONFIG) for r in _requests(3, start=500)]
-  batch = pack_requests(requests, CONFIG, num_users=4, num_candidates=48, history_slots=16)
+def test_a_batch_packed_into_a_reused_flat_buffer_comes_back_bit_for_bit():
+  requests = [r.validated(CONFIG) for r in _requests(4, start=500)]
   layout = FlatLayout.of(CONFIG, num_users=4, num_candidates=48, history_slots=16)
-  flat = layout.flatten(batch)
+  flat, views = layout.host_buffer()
   assert flat.dtype == np.int32 and flat.shape == (layout.size,)
-  back = jax.jit(layout.unflatten)(flat)
-  for name, _ in layout.fields:
-    expected = np.asarray(getattr(batch, name))
-    assert np.asarray(getattr(back, name)).dtype == expected.dtype, name
-    np.testing.assert_array_equal(np.asarray(getattr(back, name)), expected, err_msg=name)
-  with pytest.raises(ValueError, match="history has shape"):
-    FlatLayout.of(CONFIG, 4, 48, 8).flatten(batch)
+  unflatten = jax.jit(layout.unflatten)
+  # The second packing reuses the buffer with fewer requests: nothing of the first may remain.
+  for chosen in (requests[:3], requests[3:]):
+    pack_requests(chosen, CONFIG, num_users=4, num_candidates=48, history_slots=16, out=views)
+    fresh = pack_requests(chosen, CONFIG, num_users=4, num_candidates=48, history_slots=16)
+    back = unflatten(flat)
+    for name, _ in layout.fields:
+      expected = np.asarray(getattr(fresh, name))
+      assert np.asarray(getattr(back, name)).dtype == expected.dtype, name
+      np.testing.assert_array_equal(np.asarray(getattr(back, name)), expected, err_msg=name)
+  _, narrow = FlatLayout.of(CONFIG, 4, 48, 8).host_buffer()
+  with pytest.raises(ValueError, match=r"out.history is int32\[4, 8\]; the batch needs int32\[4, 16\]"):
+    pack_requests(requests[:1], CONFIG, num_users=4, num_candidates=48, history_slots=16,
+                  out=narrow)
 
 
 def test_overload_with_the_model_answers_every_request_and_mixes_none_up(ranker, served):

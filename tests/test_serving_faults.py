@@ -84,6 +84,30 @@ def test_the_queue_bound_counts_candidates_and_refuses_before_queueing():
   assert len(model.seen) == len(answered)  # refused requests were never computed
 
 
+def test_an_idle_model_takes_a_batch_at_once_and_a_busy_one_lets_the_next_fill():
+  model, sizes = SlowScorer(seconds=0.3), []
+  requests = _requests(5)
+
+  async def run():
+    config = BatchingConfig(batch_timeout_ms=2000, max_in_flight=2, default_timeout_ms=10e3)
+    async with Batcher(model, config, on_batch=lambda r, b, s: sizes.append(len(r))) as batcher:
+      loop = asyncio.get_running_loop()
+      start = loop.time()
+      first = asyncio.create_task(batcher.score(requests[0]))
+      await asyncio.sleep(0.05)  # the first batch is with the model
+      rest = await asyncio.gather(*(batcher.score(r) for r in requests[1:]))
+      return await first, rest, loop.time() - start
+
+  first, rest, seconds = asyncio.run(run())
+  # The second batch filled while the first ran and went when it was done (0.6 s in all);
+  # a batch that waited its 2 s timeout would end after 2.3 s.
+  assert sizes == [1, 4], sizes
+  assert seconds < 1.5, seconds
+  np.testing.assert_array_equal(first, requests[0].cand_items / 1000)
+  for request, scores in zip(requests[1:], rest):
+    np.testing.assert_array_equal(scores, request.cand_items / 1000)
+
+
 def test_a_request_past_its_deadline_in_the_queue_is_never_computed():
   model = SlowScorer(seconds=0.2)
   requests = _requests(6)

@@ -10,9 +10,14 @@ from ikbo_jax.data.request import Request
 from ikbo_jax.models.batch import RankingBatch
 from ikbo_jax.models.config import RankerConfig
 
+_DTYPES = dict(user_dense=np.float32, history=np.int32, history_len=np.int32,
+               cand_to_user=np.int32, cand_items=np.int32, cand_dense=np.float32,
+               labels=np.float32)
+
 
 def pack_requests(requests: Sequence[Request], config: RankerConfig, *, num_users: int,
-                  num_candidates: int, history_slots: int | None = None) -> RankingBatch:
+                  num_candidates: int, history_slots: int | None = None,
+                  out: RankingBatch | None = None) -> RankingBatch:
   """Lays `requests` out user by user in `num_users` user and `num_candidates` candidate slots.
 
   Request `r` takes user slot `r` and the candidate slots after those of the
@@ -20,6 +25,11 @@ def pack_requests(requests: Sequence[Request], config: RankerConfig, *, num_user
   `RankingBatch`). Histories take `history_slots` positions (default
   `config.max_history`). The requests must be validated (`Request.validated`)
   and fit.
+
+  Args:
+    out: NumPy arrays of the batch's shapes and dtypes to pack into (all of
+      their contents are overwritten), e.g. views of a reused host buffer;
+      default: new arrays.
 
   Returns:
     The batch, as NumPy arrays (the jitted model moves them to the device).
@@ -34,13 +44,22 @@ def pack_requests(requests: Sequence[Request], config: RankerConfig, *, num_user
   longest = max((len(r.history) for r in requests), default=0)
   if longest > history_slots:
     raise ValueError(f"a history of {longest} items does not fit history_slots={history_slots}")
-  user_dense = np.zeros((num_users, c.user_dense), np.float32)
-  history = np.zeros((num_users, history_slots), np.int32)
-  history_len = np.zeros((num_users,), np.int32)
-  cand_to_user = np.full((num_candidates,), num_users, np.int32)  # padding: out of range
-  cand_items = np.zeros((num_candidates,), np.int32)
-  cand_dense = np.zeros((num_candidates, c.cand_dense), np.float32)
-  labels = np.zeros((num_candidates,), np.float32)
+  shapes = dict(user_dense=(num_users, c.user_dense), history=(num_users, history_slots),
+                history_len=(num_users,), cand_to_user=(num_candidates,),
+                cand_items=(num_candidates,), cand_dense=(num_candidates, c.cand_dense),
+                labels=(num_candidates,))
+  if out is None:
+    out = RankingBatch(**{name: np.zeros(shape, _DTYPES[name]) for name, shape in shapes.items()})
+  else:
+    for name, shape in shapes.items():
+      x = getattr(out, name)
+      if x.shape != shape or x.dtype != _DTYPES[name]:
+        raise ValueError(f"out.{name} is {x.dtype}{list(x.shape)}; the batch needs "
+                         f"{np.dtype(_DTYPES[name])}{list(shape)}")
+      x.fill(0)
+  user_dense, history, history_len, cand_to_user, cand_items, cand_dense, labels = (
+      getattr(out, name) for name in shapes)
+  cand_to_user.fill(num_users)  # padding: out of range
   for u, (request, start, stop) in enumerate(zip(requests, starts[:-1], starts[1:])):
     user_dense[u] = request.user_dense
     history[u, :len(request.history)] = request.history
@@ -50,9 +69,7 @@ def pack_requests(requests: Sequence[Request], config: RankerConfig, *, num_user
     cand_dense[start:stop] = request.cand_dense
     if request.labels is not None:
       labels[start:stop] = request.labels
-  return RankingBatch(user_dense=user_dense, history=history, history_len=history_len,
-                      cand_to_user=cand_to_user, cand_items=cand_items, cand_dense=cand_dense,
-                      labels=labels)
+  return out
 
 
 def candidate_offsets(requests: Sequence[Request]) -> np.ndarray:

@@ -2,7 +2,11 @@
 
 The knobs are those of TF-Serving's and Triton's dynamic batchers: a batch
 holds at most `max_batch_requests` requests, and the first request of a batch
-waits at most `batch_timeout_ms` for others to join. A batch closes early
+waits at most `batch_timeout_ms` for others to join, but only while another
+batch is with the model: when the model is idle, waiting would only add to the
+request's latency, so the batch takes what is queued and goes (a lone request
+costs one call, not a call and the timeout), and a batch waiting for more goes
+as soon as the batch before it is done. A batch closes early
 when the next request would not fit the largest bucket; that request opens the
 next batch. Up to `max_in_flight` batches are with the model at once (Triton's
 instance count), so the host packs the next batch while the device runs the
@@ -41,7 +45,8 @@ class BatchingConfig:
   """Attributes:
     max_batch_requests: most requests in one batch (TF-Serving's max_batch_size); default
       the user slots of the largest bucket.
-    batch_timeout_ms: longest wait of a batch's first request for more (max queue delay).
+    batch_timeout_ms: longest wait of a batch's first request for more (max queue delay)
+      while another batch is with the model; with the model idle a batch goes at once.
     max_queued: requests waiting beyond this are refused at once (back-pressure).
     max_queued_candidates: candidates waiting beyond this are refused at once.
     max_in_flight: batches with the model at once, each on its own host thread.
@@ -124,6 +129,7 @@ class Batcher:
                                                           thread_name_prefix="ikbo-model")
     self._free_slots = asyncio.Semaphore(config.max_in_flight)
     self._in_flight: set[asyncio.Task] = set()
+    self._running = 0  # batches with the model (a task still answering its callers is not)
 
   async def __aenter__(self) -> Batcher:
     self._task = asyncio.create_task(self._run())
@@ -190,11 +196,18 @@ class Batcher:
     self.queued_candidates -= pending.request.num_candidates
     return pending
 
-  async def _next_request(self, timeout: float | None) -> _Pending | None:
-    """The next queued request that is still wanted; expired ones are answered on the way."""
+  async def _next_request(self, timeout: float | None, *,
+                          until_idle: bool = False) -> _Pending | None:
+    """The next queued request that is still wanted; expired ones are answered on the way.
+
+    None after `timeout` seconds with none queued or, with `until_idle`, once no
+    batch is with the model.
+    """
     now = asyncio.get_running_loop().time
     while True:
       while not self._queue:
+        if until_idle and not self._running:
+          return None
         self._arrived.clear()
         try:
           await asyncio.wait_for(self._arrived.wait(), timeout)
@@ -217,9 +230,11 @@ class Batcher:
     while True:
       await self._free_slots.acquire()  # while none is free, the queue keeps filling
       batch = [await self._next_request(None)]
+      # A batch waits for others only while another is with the model: an idle model's
+      # wait would delay this batch and help none.
       deadline = loop.time() + self.config.batch_timeout_ms / 1e3
       while len(batch) < self.config.max_batch_requests:
-        pending = await self._next_request(max(deadline - loop.time(), 0))
+        pending = await self._next_request(max(deadline - loop.time(), 0), until_idle=True)
         if pending is None:
           break
         if self.model.bucket_for([p.request for p in batch + [pending]]) is None:
@@ -240,6 +255,7 @@ class Batcher:
       if not live:
         self._free_slots.release()
         continue
+      self._running += 1
       task = asyncio.create_task(self._score(live))
       self._in_flight.add(task)
       task.add_done_callback(self._in_flight.discard)
@@ -259,6 +275,9 @@ class Batcher:
           p.future.set_exception(e)
       return
     finally:
+      self._running -= 1
+      if not self._running:
+        self._arrived.set()  # a batch waiting for more goes now (`_next_request`)
       self._free_slots.release()
     self.batches_run += 1
     for p, s in zip(batch, scores):

@@ -6,13 +6,16 @@ executable is compiled ahead of time (`jax.jit(...).lower(...).compile()`),
 so serving never compiles: a batch must be packed into one of the buckets,
 and an executable called with any other shape raises instead of recompiling.
 A batch goes to the device as one flat buffer (`transfer.FlatLayout`): one
-transfer per batch instead of one per field.
+transfer per batch instead of one per field, packed into a host buffer each
+model thread reuses; its scores start back to the host as soon as they are
+computed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -94,6 +97,7 @@ class BucketedModel:
     self._placement = jax.sharding.SingleDeviceSharding(self.device)
     self._state = jax.device_put(state, self._placement)
     self._executables, self._layouts = {}, {}
+    self._host_buffers = threading.local()  # by bucket: (flat buffer, views), one per thread
     for bucket in self.buckets:
       start = time.perf_counter()
       layout = FlatLayout.of(config, bucket.num_users, bucket.num_candidates,
@@ -117,7 +121,19 @@ class BucketedModel:
     """Each request's click probabilities, in its candidate order (validated requests)."""
     bucket, host = self._pack(requests)
     probabilities = self._executables[bucket](self._state, jax.device_put(host, self._placement))
+    probabilities.copy_to_host_async()  # the copy back starts when the batch is done
     return _per_request(np.asarray(probabilities), requests)
+
+  def device_call(self, requests: Sequence[Request]) -> tuple[Callable[[jax.Array], jax.Array],
+                                                              jax.Array]:
+    """What a call runs on the device: the bucket's executable and the packed batch, there.
+
+    `fn(flat)` computes the probabilities of every candidate slot; benchmarks
+    time it alone (the device time of a call, with no host work around it).
+    """
+    bucket, host = self._pack(requests)
+    return (functools.partial(self._executables[bucket], self._state),
+            jax.device_put(host.copy(), self._placement))
 
   def call_breakdown(self, requests: Sequence[Request]) -> dict[str, float]:
     """Seconds of each stage of one call, each waited for: pack, transfer, execute, fetch.
@@ -138,15 +154,26 @@ class BucketedModel:
     return {stage: b - a for stage, a, b in zip(stages, times[:-1], times[1:])}
 
   def _pack(self, requests: Sequence[Request]) -> tuple[Bucket, np.ndarray]:
-    """The bucket `requests` go to, and their host buffer (one flat array)."""
+    """The bucket `requests` go to, and their host buffer (one flat array).
+
+    Each model thread packs into its own buffer per bucket, allocated once: a
+    thread's next call starts after its last one fetched its scores, so the
+    device has read the buffer by then.
+    """
     bucket = self.bucket_for(requests)
     if bucket is None:
       raise ValueError(f"{len(requests)} requests with {sum(r.num_candidates for r in requests)} "
                        f"candidates fit no bucket; the largest is {self.largest}")
-    batch = pack_requests(requests, self.config, num_users=bucket.num_users,
-                          num_candidates=bucket.num_candidates,
-                          history_slots=bucket.history_slots)
-    return bucket, self._layouts[bucket].flatten(batch)
+    if not hasattr(self._host_buffers, "by_bucket"):
+      self._host_buffers.by_bucket = {}
+    buffers = self._host_buffers.by_bucket
+    if bucket not in buffers:
+      buffers[bucket] = self._layouts[bucket].host_buffer()
+    flat, views = buffers[bucket]
+    pack_requests(requests, self.config, num_users=bucket.num_users,
+                  num_candidates=bucket.num_candidates, history_slots=bucket.history_slots,
+                  out=views)
+    return bucket, flat
 
 
 def _per_request(probabilities: np.ndarray, requests: Sequence[Request]) -> list[np.ndarray]:

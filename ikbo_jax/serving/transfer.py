@@ -2,9 +2,11 @@
 
 A `RankingBatch` is six arrays, and moving them one by one costs one transfer
 (and its fixed latency) each. Every field is 4 bytes wide, so the host lays
-them end to end in one `int32` buffer (float32 fields by their bits) and the
-compiled executable slices them apart again (`unflatten`, a few free ops inside
-`jit`). Labels are not sent: serving scores, it does not train.
+them end to end in one `int32` buffer (float32 fields by their bits): requests
+are packed straight into views of that buffer (`host_buffer`), which a model
+thread allocates once per bucket and reuses, and the compiled executable
+slices the fields apart again (`unflatten`, a few free ops inside `jit`).
+Labels are not sent: serving scores, it does not train.
 """
 
 from __future__ import annotations
@@ -41,16 +43,19 @@ class FlatLayout:
   def size(self) -> int:
     return sum(int(np.prod(shape)) for _, shape in self.fields)
 
-  def flatten(self, batch: RankingBatch) -> np.ndarray:
-    """The host buffer of a packed (NumPy) batch."""
-    parts = []
+  def host_buffer(self) -> tuple[np.ndarray, RankingBatch]:
+    """A new flat host buffer, and the batch's fields as views of it to pack into.
+
+    The views' labels are a scratch array of their own: labels are not sent.
+    """
+    flat, views, start = np.zeros(self.size, np.int32), {}, 0
     for name, shape in self.fields:
-      x = np.asarray(getattr(batch, name))
-      if x.shape != shape:
-        raise ValueError(f"{name} has shape {x.shape}, the layout {shape}")
-      parts.append(np.ascontiguousarray(x, np.float32 if name in _FLOATS else np.int32)
-                   .reshape(-1).view(np.int32))
-    return np.concatenate(parts)
+      size = int(np.prod(shape))
+      view = flat[start:start + size].reshape(shape)
+      views[name] = view.view(np.float32) if name in _FLOATS else view
+      start += size
+    labels = np.zeros(views["cand_items"].shape, np.float32)
+    return flat, RankingBatch(**views, labels=labels)
 
   def unflatten(self, flat: jax.Array) -> RankingBatch:
     """The batch again, from the flat buffer (traced inside the executable)."""

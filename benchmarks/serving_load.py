@@ -1,0 +1,207 @@
+"""The serving parts of `benchmarks/ranking_system.py`: in process, then over HTTP.
+
+`serving` measures each build through the batcher and the compiled buckets:
+where one call's time goes, the device time of a call, single-request latency,
+and the highest sustained rate (a ladder of Poisson rates, then bisection at
+the knee), repeated to show how repeatable it is. `overload` starts the HTTP
+server in its own process and offers it a multiple of that rate from client
+processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+from prometheus_client import parser
+
+from benchmarks import common
+from ikbo_jax.data.synthetic import ClickGenerator
+from ikbo_jax.data.trace import serving_trace
+from ikbo_jax.serving import Batcher, BatchingConfig, BucketedModel, http_load
+from ikbo_jax.serving.buckets import default_buckets
+from ikbo_jax.serving.load import run_load
+from ikbo_jax.testing import loopback
+
+BUILDS = ("ikbo", "standard")
+
+
+def call_breakdown(served, requests, iterations: int) -> dict:
+  """Median ms of each stage of a call (pack, transfer, execute, fetch), each waited for.
+
+  `whole_call` is a plain call (the stages overlap there), `device` the
+  executable alone (CUPTI kernel time on a GPU).
+  """
+  served.call_breakdown(requests)  # off the clock: first transfers
+  runs = [served.call_breakdown(requests) for _ in range(iterations)]
+  row = {stage: 1e3 * float(np.median([r[stage] for r in runs])) for stage in runs[0]}
+  row["total"] = 1e3 * float(np.median([sum(r.values()) for r in runs]))
+  calls = []
+  for _ in range(iterations):
+    start = time.perf_counter()
+    served(requests)
+    calls.append(time.perf_counter() - start)
+  row["whole_call"] = 1e3 * float(np.median(calls))
+  row["device"], row["device_timer"] = common.median_ms(*served.device_call(requests),
+                                                        iterations=iterations)
+  row.update(requests=len(requests), candidates=sum(r.num_candidates for r in requests),
+             bucket=str(served.bucket_for(requests)))
+  return row
+
+
+async def _single_requests(served, requests) -> dict:
+  """Latency of requests sent one at a time (each answered before the next goes)."""
+  async with Batcher(served, BatchingConfig()) as batcher:
+    await batcher.score(requests[0])
+    latencies = []
+    for request in requests:
+      start = time.perf_counter()
+      await batcher.score(request)
+      latencies.append(1e3 * (time.perf_counter() - start))
+  p50, p99 = np.percentile(latencies, (50, 99))
+  return dict(requests=len(requests), p50_ms=float(p50), p99_ms=float(p99))
+
+
+async def _load(served, requests, rate, max_in_flight):
+  batching = BatchingConfig(batch_timeout_ms=2.0, max_in_flight=max_in_flight)
+  async with Batcher(served, batching) as batcher:
+    await asyncio.gather(*(batcher.score(r) for r in requests[:16]))
+    return await run_load(batcher.score, requests, qps=rate, max_seconds=30.0)
+
+
+def sustained_rate(served, requests, rates, budget_ms, count, max_in_flight,
+                   refinements: int = 2) -> tuple[float, list[dict]]:
+  """The highest rate held at p99 <= budget with >= 90% answered: the ladder, then bisection.
+
+  A rate the in-process load generator could not send (below 95% of its
+  schedule) is not counted as held: the client, not the server, set it.
+  """
+  runs = []
+
+  def holds(rate: float) -> bool:
+    stats = asyncio.run(_load(served, requests[:count(rate)], rate, max_in_flight))
+    runs.append(stats)
+    print(f"  {rate:.0f}/s: p99 {stats['p99_ms']:.1f} ms, answered {stats['achieved_qps']:.0f}/s"
+          f", sent {stats['sent_qps']:.0f}/s", flush=True)
+    return (stats["p99_ms"] <= budget_ms and stats["achieved_qps"] >= 0.9 * stats["offered_qps"]
+            and stats["sent_qps"] >= 0.95 * stats["offered_qps"])
+
+  held, failed = 0.0, None
+  for rate in rates:
+    if not holds(rate):
+      failed = rate
+      break
+    held = rate
+  for _ in range(refinements if failed is not None and held else 0):
+    middle = (held + failed) / 2
+    if holds(middle):
+      held = middle
+    else:
+      failed = middle
+  return held, runs
+
+
+def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
+            seconds_per_rate, num_buckets, max_in_flight, repeats: int = 3) -> dict:
+  gen = ClickGenerator(config, seed=3, mean_candidates=mean_candidates,
+                       max_candidates=int(4 * mean_candidates))
+  # Each rate sends at least `requests_per_rate` requests and at least `seconds_per_rate`
+  # of traffic, so that a high rate's p99 rests on as many samples as a low rate's.
+  count = lambda rate: max(requests_per_rate, int(rate * seconds_per_rate))
+  requests = serving_trace(gen, count(max(rates)))
+  buckets = default_buckets(config, mean_candidates=mean_candidates, count=num_buckets)
+  out = dict(budget_p99_ms=budget_ms, mean_candidates=mean_candidates,
+             max_in_flight=max_in_flight, trace="serving_trace (Zipf users)",
+             buckets=[(b.num_candidates, b.num_users, b.history_slots) for b in buckets])
+  full = requests[:max(buckets).num_users]
+  for build in BUILDS:
+    served = BucketedModel(model, buckets, build)
+    breakdown = {"one_request": call_breakdown(served, requests[:1], 100),
+                 "full_batch": call_breakdown(served, full, 100)}
+    # What the device alone would allow: full batches back to back.
+    device_bound = len(full) / (breakdown["full_batch"]["device"] / 1e3)
+    single = asyncio.run(_single_requests(served, requests[:300]))
+    print(f"{build}: one request {breakdown['one_request']['whole_call']:.2f} ms a call "
+          f"(device {breakdown['one_request']['device']:.3f}), p50 {single['p50_ms']:.2f} ms "
+          f"through the batcher; full batch {breakdown['full_batch']['whole_call']:.2f} ms "
+          f"(device {breakdown['full_batch']['device']:.3f}); device-bound {device_bound:.0f}/s",
+          flush=True)
+    held = []
+    for repeat in range(repeats):
+      rate, ladder = sustained_rate(served, requests, rates, budget_ms, count, max_in_flight)
+      held.append(dict(sustained_qps=rate, ladder=ladder))
+      print(f"serving {build}, run {repeat + 1}: sustained {rate:.0f}/s", flush=True)
+    rates_held = [h["sustained_qps"] for h in held]
+    median = float(np.median(rates_held))
+    out[build] = dict(sustained_qps=median, runs=held, breakdown=breakdown,
+                      single_request=single, device_bound_qps=device_bound,
+                      sustained_fraction_of_device_bound=median / device_bound,
+                      spread_of_runs=(max(rates_held) - min(rates_held)) / max(median, 1e-9))
+  out["qps_ratio"] = out["ikbo"]["sustained_qps"] / max(out["standard"]["sustained_qps"], 1e-9)
+  return out
+
+
+def _server_metrics(url: str) -> dict:
+  """Refusals by reason and the server-side latency of answered requests, from /metrics."""
+  families = {f.name: f for f in parser.text_string_to_metric_families(
+      httpx.get(f"{url}/metrics", timeout=30).text)}
+  refused = {s.labels["reason"]: s.value for s in families["ikbo_refused"].samples
+             if s.name.endswith("_total")}
+  # The 200s' latency histogram: the first bucket bound holding 99% (an upper bound on p99).
+  buckets = sorted((float(s.labels["le"]), s.value)
+                   for s in families["ikbo_http_request_seconds"].samples
+                   if s.name.endswith("_bucket") and s.labels["status"] == "200")
+  total = buckets[-1][1] if buckets else 0
+  p99 = next((le for le, count in buckets if count >= 0.99 * total), float("nan"))
+  return dict(refused=refused, server_p99_ms_at_most=1e3 * p99, server_answered=total)
+
+
+def _wait_ready(url: str, seconds: float) -> None:
+  deadline = time.time() + seconds
+  while time.time() < deadline:
+    try:
+      if httpx.get(f"{url}/health/ready", timeout=5).status_code == 200:
+        return
+    except httpx.HTTPError:
+      pass
+    time.sleep(0.2)
+  raise RuntimeError(f"the server at {url} did not get ready in {seconds:.0f} s")
+
+
+def overload(preset: str, build: str, requests, qps: float, seconds: float, processes: int,
+             mean_candidates: float, server_args: list[str]) -> dict:
+  """The HTTP server (`python -m ikbo_jax.serving`, its own process) offered `qps` for `seconds`.
+
+  `server_args` go to the server's command line (its queue bound and deadline).
+  Reports what the clients saw (answers, refusals by status, resets and timeouts by
+  type, latency), what the server counted, and how long its SIGTERM drain took.
+  """
+  port = loopback.free_port()
+  server = subprocess.Popen(
+      [sys.executable, "-m", "ikbo_jax.serving", "--preset", preset, "--build", build,
+       "--port", str(port), "--mean-candidates", str(mean_candidates), *server_args],
+      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  url = f"http://127.0.0.1:{port}"
+  try:
+    _wait_ready(url, 900)
+    stats = http_load.over_http(url, requests, qps=qps, max_seconds=seconds,
+                                processes=processes)
+    stats.update(_server_metrics(url))
+    start = time.perf_counter()
+    server.send_signal(signal.SIGTERM)
+    server.wait(timeout=120)
+    stats["drain_seconds"] = time.perf_counter() - start
+    stats["server_args"] = server_args
+  finally:
+    if server.poll() is None:
+      server.kill()
+  print(f"overload {build} at {qps:.0f}/s (sent {stats['sent_qps']:.0f}/s): "
+        f"{stats['answered']} answered, "
+        f"{stats['errors_by_kind']}; p99 {stats['p99_ms']:.1f} ms (server <= "
+        f"{stats['server_p99_ms_at_most']:.0f} ms)", flush=True)
+  return stats
