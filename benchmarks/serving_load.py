@@ -118,7 +118,10 @@ def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
   out = dict(budget_p99_ms=budget_ms, mean_candidates=mean_candidates,
              max_in_flight=max_in_flight, trace="serving_trace (Zipf users)",
              buckets=[(b.num_candidates, b.num_users, b.history_slots) for b in buckets])
-  full = requests[:max(buckets).num_users]
+  largest = max(buckets)
+  # A full batch: the longest prefix of the trace the largest bucket holds.
+  full = next(requests[:n] for n in range(largest.num_users, 0, -1)
+              if largest.fits(requests[:n]))
   for build in BUILDS:
     served = BucketedModel(model, buckets, build)
     breakdown = {"one_request": call_breakdown(served, requests[:1], 100),
@@ -138,7 +141,9 @@ def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
       print(f"serving {build}, run {repeat + 1}: sustained {rate:.0f}/s", flush=True)
     rates_held = [h["sustained_qps"] for h in held]
     median = float(np.median(rates_held))
-    out[build] = dict(sustained_qps=median, runs=held, breakdown=breakdown,
+    # The first run's rates in order (bisection tries rates between the ladder's): the plot.
+    ladder = sorted(held[0]["ladder"], key=lambda stats: stats["offered_qps"])
+    out[build] = dict(sustained_qps=median, ladder=ladder, runs=held, breakdown=breakdown,
                       single_request=single, device_bound_qps=device_bound,
                       sustained_fraction_of_device_bound=median / device_bound,
                       spread_of_runs=(max(rates_held) - min(rates_held)) / max(median, 1e-9))

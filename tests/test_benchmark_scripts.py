@@ -20,7 +20,8 @@ SCRIPTS = {
     "target_attention": ([], "xla_materialized"),
     "self_target_attention": ([], "fused_xla"),
     "ranking_system": (["--requests-per-rate", "30", "--seconds-per-rate", "0", "--sizes", "64",
-                        "--ratios", "8", "--rates", "100", "200", "--buckets", "1"],
+                        "--ratios", "8", "--rates", "100", "200", "--buckets", "1",
+                        "--repeats", "1"],
                        "sustained QPS ratio"),
     "rewrite": ([], "fraction of the hand-written speedup"),
 }
@@ -55,12 +56,15 @@ def test_small_results_are_complete(small_run):
     for build in ("ikbo", "standard"):
       stages = serving[build]["breakdown"]["one_request"]
       assert all(stages[s] > 0 for s in ("pack", "transfer", "execute", "fetch"))
-      assert serving[build]["device_bound_qps"] > 0
+      assert serving[build]["device_bound_qps"] > 0 and stages["device"] > 0
+      assert stages["whole_call"] > 0 and serving[build]["single_request"]["p50_ms"] > 0
       stress = result["overload"][build]
       assert stress["requests"] > 0 and stress["answered"] + stress["errors"] == stress["requests"]
       assert set(stress["errors_by_kind"]) <= {"429", "503"}, stress["errors_by_kind"]
       assert stress["drain_seconds"] < 30
     assert all(s["errors"] == 0 for s in serving["ikbo"]["ladder"])
+    saving = result["checkpoint"]["intervals"]["10"]
+    assert saving["saves_per_round"] == 4 and saving["plain_ms_per_step"] > 0
   elif name == "rewrite":
     cases = result["cases"]
     assert set(cases) == {"lce", "target_attention", "dlrm", "ranker", "repeat_dlrm",

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from ikbo_jax import CandidateIndex
 from ikbo_jax.data import pack_requests
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.models import Ranker, RankerConfig, masked_loss
@@ -67,6 +68,27 @@ def test_padding_candidates_do_not_change_real_scores():
   exact = _batch(config, num_requests=3, num_users=3, num_candidates=n)
   np.testing.assert_allclose(np.asarray(_ikbo(model, tight))[:n], np.asarray(_ikbo(model, exact)),
                              rtol=1e-5, atol=1e-6)
+
+
+def test_user_side_then_candidate_side_equals_the_ikbo_build_from_any_table_rows():
+  """The two halves a cache keeps apart give the build's scores, wherever the user rows lie."""
+  config = RankerConfig(num_items=200, max_history=24)
+  model = Ranker(config, rngs=nnx.Rngs(2))
+  batch = _batch(config, num_requests=5, num_users=7, num_candidates=64, seed=3)
+  mask = np.asarray(batch.candidate_mask())
+  state = nnx.jit(lambda m, b: m.user_state(b.history, b.user_dense, b.history_len))(model, batch)
+  # The users' rows scattered in a larger table, as cache slots would hold them.
+  slots = np.array([9, 2, 5, 0, 11, 7, 4])
+  table = jax.tree.map(lambda x: jnp.zeros((12, *x.shape[1:]), x.dtype).at[slots].set(x), state)
+  cand_to_slot = slots[np.minimum(np.asarray(batch.cand_to_user), 6)]
+  index = CandidateIndex.from_mapping(jnp.asarray(cand_to_slot, jnp.int32), num_users=12)
+  split = nnx.jit(lambda m, t, b, i: m.score_candidates(t, b.cand_items, b.cand_dense, i))(
+      model, table, batch, index)
+  np.testing.assert_allclose(np.asarray(split)[mask], np.asarray(_ikbo(model, batch))[mask],
+                             rtol=1e-5, atol=1e-5)
+  other = jax.tree.map(lambda x: x.at[slots[0]].set(x[slots[1]]), table)  # a stale row reads wrong
+  stale = model.score_candidates(other, batch.cand_items, batch.cand_dense, index)
+  assert np.abs(np.asarray(stale) - np.asarray(split))[mask].max() > 1e-3
 
 
 def test_config_rejects_bad_sizes():

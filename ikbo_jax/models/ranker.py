@@ -21,12 +21,31 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
+from ikbo_jax.index import CandidateIndex
 from ikbo_jax.models.batch import RankingBatch
 from ikbo_jax.models.config import RankerConfig
 from ikbo_jax.nn import LinearCompression, UserSequenceBlock
 from ikbo_jax.ops.marked_attention import attention as marked_attention
+from ikbo_jax.ops.target_attention import target_attention
+
+
+@struct.dataclass
+class UserState:
+  """What scoring a user's candidates reads of the user: the output of `Ranker.user_state`.
+
+  Attributes:
+    keys: `[U, S, H, D]` the sequence block's keys over the history.
+    values: `[U, S, H, D]` its values.
+    history_len: `int32[U]` valid history lengths.
+    e_user: `[U, K_user, N]` the user embeddings linear compression stacks.
+  """
+
+  keys: jax.Array
+  values: jax.Array
+  history_len: jax.Array
+  e_user: jax.Array
 
 
 class Ranker(nnx.Module):
@@ -81,12 +100,43 @@ class Ranker(nnx.Module):
     """The IKBO build: `float32[B]` logits (meaningless at padding candidates)."""
     index = batch.index()
     seq, user_tokens = self._user_embeddings(batch.history, batch.user_dense)  # batch U
-    item, cand_tokens, queries = self._candidate_embeddings(batch)
+    item, cand_tokens, queries = self._candidate_embeddings(batch.cand_items, batch.cand_dense)
     new_seq, cand_repr = self.sequence(seq, queries, index, kv_len=batch.history_len)
     pooled = _masked_mean(seq + new_seq, batch.history_len)
     e_user = jnp.concatenate([user_tokens, pooled[:, None]], axis=1)
     e_cand = jnp.concatenate([item[:, None], cand_tokens, cand_repr], axis=1)
     return self._logits(self.compress(e_user, e_cand, index))
+
+  def user_state(self, history: jax.Array, user_dense: jax.Array,
+                 history_len: jax.Array) -> UserState:
+    """The user side alone: what scoring candidates reads of their users, at batch U.
+
+    With `score_candidates`, the IKBO build in two parts, so that a user's
+    state can be kept and read by later requests. The self-attention runs on
+    its own here (the IKBO build fuses it with the candidates' attention), so
+    the two parts match `__call__` to rounding, not bit for bit.
+    """
+    seq, user_tokens = self._user_embeddings(history, user_dense)
+    block = self.sequence
+    k, v = block.key(seq), block.value(seq)
+    new_seq = block.user_out(_attention(block.user_query(seq), k, v, history_len,
+                                        causal=self.config.causal))
+    pooled = _masked_mean(seq + new_seq, history_len)
+    return UserState(keys=k, values=v, history_len=history_len,
+                     e_user=jnp.concatenate([user_tokens, pooled[:, None]], axis=1))
+
+  def score_candidates(self, state: UserState, cand_items: jax.Array, cand_dense: jax.Array,
+                       index: CandidateIndex) -> jax.Array:
+    """The candidate side: `float32[B]` logits of candidates read against `state` by index.
+
+    `index` maps each candidate to a row of `state` (`num_users` = its rows).
+    """
+    item, cand_tokens, queries = self._candidate_embeddings(cand_items, cand_dense)
+    block = self.sequence
+    attended = target_attention(block.cand_query(queries), state.keys, state.values, index,
+                                kv_len=state.history_len)
+    e_cand = jnp.concatenate([item[:, None], cand_tokens, block.cand_out(attended)], axis=1)
+    return self._logits(self.compress(state.e_user, e_cand, index))
 
   def standard(self, batch: RankingBatch) -> jax.Array:
     """The standard build: user inputs copied to the candidate batch, then every layer at B."""
@@ -94,7 +144,7 @@ class Ranker(nnx.Module):
     copy = lambda user_input: jnp.take(user_input, ids, axis=0)  # `x[cand_to_user]`
     history_len = copy(batch.history_len)
     seq, user_tokens = self._user_embeddings(copy(batch.history), copy(batch.user_dense))
-    item, cand_tokens, queries = self._candidate_embeddings(batch)
+    item, cand_tokens, queries = self._candidate_embeddings(batch.cand_items, batch.cand_dense)
     block = self.sequence
     k, v = block.key(seq), block.value(seq)
     new_seq = block.user_out(_attention(block.user_query(seq), k, v, history_len,
@@ -113,10 +163,10 @@ class Ranker(nnx.Module):
     tokens = self.user_dense(user_dense).reshape(-1, c.user_dense_tokens, c.embed_dim)
     return self.items(history), tokens
 
-  def _candidate_embeddings(self, batch: RankingBatch):
+  def _candidate_embeddings(self, cand_items, cand_dense):
     c = self.config
-    item = self.items(batch.cand_items)
-    tokens = self.cand_dense(batch.cand_dense).reshape(-1, c.cand_dense_tokens, c.embed_dim)
+    item = self.items(cand_items)
+    tokens = self.cand_dense(cand_dense).reshape(-1, c.cand_dense_tokens, c.embed_dim)
     queries = self.queries(item).reshape(-1, c.query_tokens, c.embed_dim)
     return item, tokens, queries
 
