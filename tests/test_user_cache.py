@@ -1,13 +1,21 @@
-"""The user-state slot table: random request sequences against a reference LRU and a simulated device table."""
+"""The user-state cache: the slot table against a reference LRU and a simulated device table,
+and the cached model against the uncached build on random request sequences."""
 
 import collections
+import concurrent.futures
+import dataclasses
 
 import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ikbo_jax.data import Request
+from ikbo_jax.data.synthetic import ClickGenerator
+from ikbo_jax.models import Ranker, RankerConfig
+from ikbo_jax.serving import Bucket, BucketedModel
+from ikbo_jax.serving.cached import CachedModel
 from ikbo_jax.serving.user_cache import SlotTable, user_key
 
 
@@ -82,3 +90,87 @@ def test_bad_sizes_are_refused_with_the_bound():
     SlotTable(4, ttl_seconds=0)
   with pytest.raises(ValueError, match="5 distinct users exceeds min_slots=4"):
     SlotTable(8, min_slots=4).place([bytes([i]) for i in range(5)])
+
+
+# The cached model on CPU: random request sequences against the uncached build as the oracle.
+
+CONFIG = RankerConfig(num_items=300, max_history=16)
+BUCKETS = [Bucket(32, 4, 16), Bucket(64, 8, 16)]
+
+
+@pytest.fixture(scope="module")
+def models():
+  ranker = Ranker(CONFIG, rngs=nnx.Rngs(0))
+  # Room for 10 users: a pool of 16 evicts all the time.
+  cached = CachedModel(ranker, BUCKETS, cache_bytes=10 * _bytes_per_user(ranker))
+  return cached, BucketedModel(ranker, BUCKETS)
+
+
+def _bytes_per_user(ranker):
+  return CachedModel(ranker, BUCKETS[:1], cache_bytes=10**9).bytes_per_user
+
+
+def _pool(seed):
+  """16 users' requests; users 12-15 are users 0-3 with a changed history."""
+  requests = [r.validated(CONFIG) for r in ClickGenerator(
+      CONFIG, seed=seed, mean_candidates=4, max_candidates=8).requests(16)]
+  for u in range(12, 16):
+    history = (requests[u - 12].history[::-1] + 1) % CONFIG.num_items
+    requests[u] = dataclasses.replace(requests[u - 12], history=history.astype(np.int32))
+  return requests
+
+
+def _assert_matches_oracle(cached, oracle, batch):
+  for got, want in zip(cached(batch), oracle(batch)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=15, deadline=None)
+@given(batches=st.lists(st.lists(st.integers(0, 15), min_size=1, max_size=6), min_size=1,
+                        max_size=12), seed=st.integers(0, 3))
+def test_cached_scores_equal_the_uncached_build(models, batches, seed):
+  cached, oracle = models
+  cached.flush()
+  pool = _pool(seed)
+  for users in batches:
+    _assert_matches_oracle(cached, oracle, [pool[u] for u in users])
+
+
+def test_concurrent_batches_read_only_their_own_users(models):
+  cached, oracle = models
+  cached.flush()
+  pool = _pool(7)
+  rng = np.random.default_rng(0)
+  batches = [[pool[u] for u in rng.integers(0, 16, size=5)] for _ in range(48)]
+  with concurrent.futures.ThreadPoolExecutor(6) as threads:
+    results = list(threads.map(cached, batches))
+  for batch, got in zip(batches, results):
+    for g, w in zip(got, oracle(batch)):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  assert cached.slots.stats.hits > 0 and cached.slots.stats.evictions > 0
+
+
+def test_a_failed_step_forgets_the_table_and_the_next_batch_is_right(models, monkeypatch):
+  cached, oracle = models
+  cached.flush()
+  pool = _pool(9)
+  _assert_matches_oracle(cached, oracle, pool[:4])
+  bucket = cached.bucket_for(pool[:4])
+
+  def fail(*args):
+    raise RuntimeError("the device went away")
+
+  monkeypatch.setitem(cached._readers, bucket, fail)
+  with pytest.raises(RuntimeError, match="went away"):
+    cached(pool[:4])
+  monkeypatch.undo()
+  flushes = cached.slots.stats.flushes
+  _assert_matches_oracle(cached, oracle, pool[:4])
+  assert len(cached.slots) == 4 and cached.slots.stats.flushes == flushes
+
+
+def test_a_cache_too_small_for_a_batch_is_refused_with_the_minimum():
+  ranker = Ranker(CONFIG, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"cache_bytes=1000 holds 0 user states of \d+ bytes; "
+                                       r"the largest bucket has 8 users, so it needs at least"):
+    CachedModel(ranker, BUCKETS, cache_bytes=1000)

@@ -122,7 +122,7 @@ class BucketedModel:
     bucket, host = self._pack(requests)
     probabilities = self._executables[bucket](self._state, jax.device_put(host, self._placement))
     probabilities.copy_to_host_async()  # the copy back starts when the batch is done
-    return _per_request(np.asarray(probabilities), requests)
+    return per_request(np.asarray(probabilities), requests)
 
   def device_call(self, requests: Sequence[Request]) -> tuple[Callable[[jax.Array], jax.Array],
                                                               jax.Array]:
@@ -148,7 +148,7 @@ class BucketedModel:
     times.append(time.perf_counter())
     probabilities = jax.block_until_ready(self._executables[bucket](self._state, flat))
     times.append(time.perf_counter())
-    _per_request(np.asarray(probabilities), requests)
+    per_request(np.asarray(probabilities), requests)
     times.append(time.perf_counter())
     stages = ("pack", "transfer", "execute", "fetch")
     return {stage: b - a for stage, a, b in zip(stages, times[:-1], times[1:])}
@@ -176,6 +176,7 @@ class BucketedModel:
     return bucket, flat
 
 
-def _per_request(probabilities: np.ndarray, requests: Sequence[Request]) -> list[np.ndarray]:
+def per_request(probabilities: np.ndarray, requests: Sequence[Request]) -> list[np.ndarray]:
+  """Each request's slice of a batch's scores (requests laid out in order, as packed)."""
   offsets = np.cumsum([0] + [r.num_candidates for r in requests])
   return [probabilities[a:b] for a, b in zip(offsets[:-1], offsets[1:])]

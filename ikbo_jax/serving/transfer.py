@@ -25,7 +25,10 @@ _FLOATS = ("user_dense", "cand_dense")
 
 @dataclasses.dataclass(frozen=True)
 class FlatLayout:
-  """Where each field of a batch of one shape lies in the flat buffer."""
+  """Where each field of a batch of one shape lies in the flat buffer.
+
+  Every field is 4 bytes wide; `user_dense` and `cand_dense` are float32, the rest int32.
+  """
 
   fields: tuple[tuple[str, tuple[int, ...]], ...]
 
@@ -43,27 +46,35 @@ class FlatLayout:
   def size(self) -> int:
     return sum(int(np.prod(shape)) for _, shape in self.fields)
 
-  def host_buffer(self) -> tuple[np.ndarray, RankingBatch]:
-    """A new flat host buffer, and the batch's fields as views of it to pack into.
-
-    The views' labels are a scratch array of their own: labels are not sent.
-    """
+  def host_views(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """A new flat host buffer, and each field as a view of it (float32 fields by their bits)."""
     flat, views, start = np.zeros(self.size, np.int32), {}, 0
     for name, shape in self.fields:
       size = int(np.prod(shape))
       view = flat[start:start + size].reshape(shape)
       views[name] = view.view(np.float32) if name in _FLOATS else view
       start += size
-    labels = np.zeros(views["cand_items"].shape, np.float32)
-    return flat, RankingBatch(**views, labels=labels)
+    return flat, views
 
-  def unflatten(self, flat: jax.Array) -> RankingBatch:
-    """The batch again, from the flat buffer (traced inside the executable)."""
+  def fields_of(self, flat: jax.Array) -> dict[str, jax.Array]:
+    """Each field again, from the flat buffer (traced inside the executable)."""
     fields, start = {}, 0
     for name, shape in self.fields:
       size = int(np.prod(shape))
       x = lax.slice(flat, (start,), (start + size,)).reshape(shape)
       fields[name] = lax.bitcast_convert_type(x, jnp.float32) if name in _FLOATS else x
       start += size
-    labels = jnp.zeros(fields["cand_items"].shape, jnp.float32)
-    return RankingBatch(**fields, labels=labels)
+    return fields
+
+  def host_buffer(self) -> tuple[np.ndarray, RankingBatch]:
+    """A new flat host buffer of a `RankingBatch` layout, and the batch as views to pack into.
+
+    The views' labels are a scratch array of their own: labels are not sent.
+    """
+    flat, views = self.host_views()
+    return flat, RankingBatch(**views, labels=np.zeros(views["cand_items"].shape, np.float32))
+
+  def unflatten(self, flat: jax.Array) -> RankingBatch:
+    """The `RankingBatch` again, from the flat buffer (traced inside the executable)."""
+    fields = self.fields_of(flat)
+    return RankingBatch(**fields, labels=jnp.zeros(fields["cand_items"].shape, jnp.float32))
