@@ -5,6 +5,7 @@ import collections
 import concurrent.futures
 import dataclasses
 
+import httpx
 import numpy as np
 import pytest
 from flax import nnx
@@ -16,7 +17,9 @@ from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.models import Ranker, RankerConfig
 from ikbo_jax.serving import Bucket, BucketedModel
 from ikbo_jax.serving.cached import CachedModel
+from ikbo_jax.serving.http import create_app
 from ikbo_jax.serving.user_cache import SlotTable, user_key
+from ikbo_jax.testing import loopback
 
 
 class FakeClock:
@@ -174,3 +177,29 @@ def test_a_cache_too_small_for_a_batch_is_refused_with_the_minimum():
   with pytest.raises(ValueError, match=r"cache_bytes=1000 holds 0 user states of \d+ bytes; "
                                        r"the largest bucket has 8 users, so it needs at least"):
     CachedModel(ranker, BUCKETS, cache_bytes=1000)
+
+
+def test_the_cache_over_http_reports_flushes_and_is_in_the_metrics(models):
+  cached, oracle = models
+  cached.flush()
+  before = cached.report()
+  request = _pool(11)[0]
+  body = {f: np.asarray(getattr(request, f)).tolist()
+          for f in ("user_dense", "history", "cand_items", "cand_dense")}
+  with (loopback.serving(create_app(cached)) as served_at,
+        httpx.Client(base_url=served_at.url, timeout=30) as client):
+    for _ in range(3):
+      response = client.post("/score", json=body)
+      np.testing.assert_allclose(response.json()["scores"], oracle([request])[0], rtol=1e-5,
+                                 atol=1e-6)
+    report = client.get("/cache").json()
+    assert report["hits"] - before["hits"] == 2 and report["misses"] - before["misses"] == 1
+    assert report["entries"] == 1
+    metrics = client.get("/metrics").text
+    assert f"ikbo_cache_hits_total {report['hits']:.1f}" in metrics
+    assert "ikbo_cache_entries 1.0" in metrics
+    assert client.post("/cache/flush").json()["entries"] == 0
+  with (loopback.serving(create_app(oracle)) as served_at,
+        httpx.Client(base_url=served_at.url, timeout=30) as client):
+    response = client.get("/cache")
+    assert response.status_code == 404 and "--cache-mb" in response.json()["error"]

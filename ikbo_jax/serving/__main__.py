@@ -5,8 +5,9 @@
 
 `--checkpoint-dir` is a directory written by `python -m ikbo_jax.training`
 (without it the model has random weights, for load tests). Routes: `POST
-/score`, `GET /health`, `/health/live`, `/health/ready`, `/metrics`
-(`ikbo_jax.serving.http`). The port opens at once; the buckets compile after,
+/score`, `GET /health`, `/health/live`, `/health/ready`, `/metrics`, and with
+`--cache-mb` (a device-resident cache of users' states, `serving.cached`)
+`GET /cache` and `POST /cache/flush` (`ikbo_jax.serving.http`). The port opens at once; the buckets compile after,
 and the server reports ready when they are done.
 
 Overload is answered, never dropped: the batcher refuses requests past its
@@ -44,6 +45,11 @@ def main(argv=None) -> None:
                       help="serve on this many local devices, one model replica on each")
   parser.add_argument("--mean-candidates", type=float, default=8.0,
                       help="sizes the default buckets")
+  parser.add_argument("--cache-mb", type=float, default=0.0,
+                      help="device memory for a cache of users' states (IKBO build, one "
+                           "device; 0: no cache)")
+  parser.add_argument("--cache-ttl-seconds", type=float,
+                      help="a cached user state older than this is computed again")
   parser.add_argument("--max-queued-candidates", type=int, default=65536,
                       help="candidates waiting in the batcher beyond which requests get 429")
   parser.add_argument("--timeout-ms", type=float, default=1000.0,
@@ -83,6 +89,7 @@ def _serve(args, parser) -> None:
   from ikbo_jax.models.checkpoint import CheckpointError
   from ikbo_jax.serving.batcher import BatchingConfig
   from ikbo_jax.serving.buckets import BucketedModel, default_buckets
+  from ikbo_jax.serving.cached import CachedModel, user_state_bytes
   from ikbo_jax.serving.devices import DeviceSet
   from ikbo_jax.serving.http import HttpLimits, create_app
   from ikbo_jax.serving.protocol import guarded_h11
@@ -102,13 +109,28 @@ def _serve(args, parser) -> None:
     print("no --checkpoint-dir: serving random weights")
     ranker = Ranker(config, rngs=nnx.Rngs(0))
 
+  cache_bytes = int(args.cache_mb * 2**20)
+  if args.cache_mb:
+    if args.build is not Build.IKBO or args.devices != 1:
+      parser.error(f"--cache-mb needs --build ikbo and --devices 1, got --build {args.build} "
+                   f"--devices {args.devices}")
+    needed = max(b.num_users for b in buckets) * user_state_bytes(ranker)
+    if cache_bytes < needed:
+      parser.error(f"--cache-mb {args.cache_mb} holds fewer users than one batch has: give at "
+                   f"least {needed / 2**20:.1f}")
+  elif args.cache_ttl_seconds is not None:
+    parser.error("--cache-ttl-seconds needs --cache-mb")
+
   def build_model():
     """Runs on a thread once the port is open; the server is ready when it returns."""
     print(f"compiling {len(buckets)} buckets of the {args.build} build on {args.devices} "
           "device(s)...", flush=True)
     progress = lambda bucket, seconds: print(f"  compiled {bucket} in {seconds:.1f} s",
                                              flush=True)
-    if args.devices == 1:
+    if args.cache_mb:
+      model = CachedModel(ranker, buckets, cache_bytes=cache_bytes,
+                          ttl_seconds=args.cache_ttl_seconds, on_compiled=progress)
+    elif args.devices == 1:
       model = BucketedModel(ranker, buckets, args.build, on_compiled=progress)
     else:
       model = DeviceSet(ranker, buckets, args.build, devices=jax.local_devices()[:args.devices],

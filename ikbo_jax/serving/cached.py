@@ -64,15 +64,13 @@ class CachedModel:
                on_compiled: Callable[[str, float], None] | None = None):
     if not buckets:
       raise ValueError("buckets is empty: give at least one Bucket")
-    self.config = config = model.config
+    self.config = model.config
     self.buckets = tuple(sorted(set(buckets)))
     graphdef, params = nnx.split(model)
     self._placement = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     self._params = jax.device_put(params, self._placement)
-    row = jax.eval_shape(lambda p: nnx.merge(graphdef, p).user_state(
-        jnp.zeros((1, config.max_history), jnp.int32), jnp.zeros((1, config.user_dense)),
-        jnp.zeros((1,), jnp.int32)), params)
-    self.bytes_per_user = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(row))
+    row = _one_user_state(model)
+    self.bytes_per_user = user_state_bytes(model)
     users = self.largest.num_users
     capacity = int(cache_bytes) // self.bytes_per_user
     if capacity < users:
@@ -125,6 +123,15 @@ class CachedModel:
     probabilities.copy_to_host_async()
     return per_request(np.asarray(probabilities), requests)
 
+  def report(self) -> dict:
+    """The table's size and use: what `GET /cache` and the metrics show."""
+    stats, looked_up = self.slots.stats, self.slots.stats.hits + self.slots.stats.misses
+    return dict(capacity=self.capacity, entries=len(self.slots),
+                bytes_per_user=self.bytes_per_user, table_bytes=self.capacity * self.bytes_per_user,
+                ttl_seconds=self.slots.ttl_seconds, hits=stats.hits, misses=stats.misses,
+                hit_rate=stats.hits / looked_up if looked_up else None,
+                evictions=stats.evictions, expirations=stats.expirations, flushes=stats.flushes)
+
   def flush(self) -> None:
     """Forgets every cached user and zeroes the table."""
     with self._lock:
@@ -168,6 +175,19 @@ class CachedModel:
       views["cand_items"][start:stop] = request.cand_items
       views["cand_dense"][start:stop] = request.cand_dense
     return flat
+
+
+def _one_user_state(model: Ranker):
+  """The shapes and dtypes of one user's state."""
+  c = model.config
+  return nnx.eval_shape(lambda m: m.user_state(
+      jnp.zeros((1, c.max_history), jnp.int32), jnp.zeros((1, c.user_dense)),
+      jnp.zeros((1,), jnp.int32)), model)
+
+
+def user_state_bytes(model: Ranker) -> int:
+  """Device bytes of one user's cached state (a slot of the table)."""
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(_one_user_state(model)))
 
 
 def _write_users(graphdef, layout: FlatLayout, params, table, flat):

@@ -16,7 +16,8 @@ A request's deadline is the `X-Timeout-Ms` header or the batcher's default.
 every bucket is compiled; `GET /health` reports the build, the buckets and the
 request fields the loaded model takes; `GET /metrics` is Prometheus' (`metrics`);
 `GET /openapi.json` describes `POST /score` (Starlette's schema generator reads
-it from the handler's docstring).
+it from the handler's docstring); with a user-state cache (`CachedModel`),
+`GET /cache` reports its size and use and `POST /cache/flush` empties it.
 Nothing a client sends reaches the log as a traceback: every failure is one of
 the statuses above, and an unexpected one is a 500 logged in one line.
 """
@@ -41,6 +42,7 @@ from starlette.schemas import SchemaGenerator
 from ikbo_jax import __version__
 from ikbo_jax.data import Request, RequestError
 from ikbo_jax.serving.batcher import Batcher, BatchingConfig, DeadlineExceeded, Overloaded
+from ikbo_jax.serving.cached import CachedModel
 from ikbo_jax.serving.metrics import ServingMetrics
 from ikbo_jax.serving.scorer import Scorer
 
@@ -99,6 +101,8 @@ def create_app(model: Scorer | Callable[[], Scorer], batching: BatchingConfig = 
         batcher = await stack.enter_async_context(
             Batcher(served, batching, on_batch=metrics.observe_batch))
         metrics.watch_queue(lambda: batcher.queued_requests, lambda: batcher.queued_candidates)
+        if isinstance(served, CachedModel):
+          metrics.watch_cache(served.report)
         app.state.model, app.state.batcher = served, batcher
 
       async def start_or_fail():
@@ -205,6 +209,26 @@ def _ready(http_request: HttpRequest) -> JSONResponse:
   return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
 
 
+def _cached_model(http_request: HttpRequest) -> CachedModel:
+  model = http_request.app.state.model
+  if model is None:
+    raise _Refusal(503, "the model is still compiling; retry later", retry=True)
+  if not isinstance(model, CachedModel):
+    raise _Refusal(404, "this server runs without a user-state cache (see --cache-mb)")
+  return model
+
+
+async def _cache(http_request: HttpRequest) -> JSONResponse:
+  """`GET /cache`: the user-state cache's size and use; `POST /cache/flush` empties it."""
+  try:
+    model = _cached_model(http_request)
+    if http_request.method == "POST":
+      await asyncio.to_thread(model.flush)
+    return JSONResponse(model.report())
+  except _Refusal as refusal:
+    return JSONResponse({"error": str(refusal)}, status_code=refusal.status)
+
+
 def _scrape(http_request: HttpRequest) -> Response:
   body, content_type = http_request.app.state.metrics.exposition()
   return Response(body, media_type=content_type)
@@ -223,6 +247,8 @@ _ROUTES = [Route("/score", _score_route, methods=["POST"]),
            Route("/health/live", _live, methods=["GET"]),
            Route("/health/ready", _ready, methods=["GET"]),
            Route("/metrics", _scrape, methods=["GET"]),
+           Route("/cache", _cache, methods=["GET"], include_in_schema=False),
+           Route("/cache/flush", _cache, methods=["POST"], include_in_schema=False),
            Route("/openapi.json", _openapi, methods=["GET"], include_in_schema=False)]
 
 

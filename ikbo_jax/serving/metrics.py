@@ -8,7 +8,10 @@ Names follow Prometheus conventions (base units, `_total` counters):
 - `ikbo_batches_total{bucket}`: batches per compiled bucket;
 - `ikbo_batch_seconds`: the model call per batch (packing, transfer, device, fetch);
 - `ikbo_refused_total{reason}`: requests answered without computing them
-  (`overloaded`, `deadline`, `not_ready`).
+  (`overloaded`, `deadline`, `not_ready`);
+- with a user-state cache: `ikbo_cache_hits_total`, `ikbo_cache_misses_total`,
+  `ikbo_cache_evictions_total`, `ikbo_cache_expirations_total`, and the gauges
+  `ikbo_cache_entries`, `ikbo_cache_capacity`, `ikbo_cache_bytes` (the table's device memory).
 
 Each server has its own registry, so several apps in one process (tests) do not collide.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import prometheus_client as prom
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ikbo_jax.data import Request
 from ikbo_jax.serving.buckets import Bucket
@@ -55,6 +59,10 @@ class ServingMetrics:
     self.queue_requests.set_function(requests)
     self.queue_candidates.set_function(candidates)
 
+  def watch_cache(self, report: Callable[[], dict]) -> None:
+    """Reads the user-state cache's counts from `report()` (`CachedModel.report`) at each scrape."""
+    self.registry.register(_CacheCollector(report))
+
   def observe_batch(self, requests: Sequence[Request], bucket: Bucket | None,
                     seconds: float) -> None:
     self.batch_requests.observe(len(requests))
@@ -67,3 +75,19 @@ class ServingMetrics:
   def exposition(self) -> tuple[bytes, str]:
     """The text exposition format and its content type."""
     return prom.generate_latest(self.registry), prom.CONTENT_TYPE_LATEST
+
+
+class _CacheCollector(prom.registry.Collector):
+  """The cache's own counts, read at scrape time (they are kept by the cache, not here)."""
+
+  def __init__(self, report: Callable[[], dict]):
+    self._report = report
+
+  def collect(self):
+    r = self._report()
+    for name in ("hits", "misses", "evictions", "expirations"):
+      yield CounterMetricFamily(f"ikbo_cache_{name}", f"user-state cache {name}", value=r[name])
+    yield GaugeMetricFamily("ikbo_cache_entries", "users in the cache", value=r["entries"])
+    yield GaugeMetricFamily("ikbo_cache_capacity", "slots of the cache", value=r["capacity"])
+    yield GaugeMetricFamily("ikbo_cache_bytes", "device memory of the cache's table",
+                            value=r["table_bytes"])
