@@ -6,6 +6,7 @@
 # sweep and the regression tests, failures in full), "soak" (tools/soak.py for SOAK_MINUTES),
 # "system" (the ranking system benchmark and the main job at the benchmark preset),
 # "serving" (checkpoint cost, the serving ladder three times, a profiler trace under load),
+# "cache" (the serving ladder once, then the user-state cache at two budgets),
 # "overload" (the serving ladder, then 3x the sustained rates over HTTP: refusals, resets, p99),
 # "rewrite" (original vs rewritten vs hand-written IKBO code), "fuzz" (the rewrite's property test
 # on the host's CPUs), "rewrite_tests" (the rewrite's tests on the GPU),
@@ -104,6 +105,13 @@ if has serving; then
   timeout 150 python3 -m benchmarks.serving_profile --qps "${PROFILE_QPS:-2000}" \
     --out "$OUT/serving_profile_h200.json" --trace-dir /tmp/serving_trace 2>&1 | grep -v Warning | tail -n 4
   gzip -c /tmp/serving_trace/*.xplane.pb > "$OUT/serving_profile_h200.xplane.pb.gz"
+fi
+if has cache; then
+  # The user-state cache: the uncached builds' ladder once, then the cached build at two
+  # budgets on the same Zipf trace, and the user / candidate sides' device times apart.
+  timeout "${CACHE_TIMEOUT:-540}" python3 -m benchmarks.ranking_system --parts serving cache \
+    --repeats 1 --out "$OUT/ranking_system_cache_h200.json" 2>&1 | grep -v Warning \
+    | tee "$OUT/cache.log" | cut -c1-300 | tail -n 30
 fi
 if has overload; then
   # The device image has no starlette or uvicorn: carry their wheels as .whl (here:

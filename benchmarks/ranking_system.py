@@ -16,7 +16,10 @@ Each measurement for both builds in the same run:
    batcher and the compiled buckets at rising rates, bisected at the knee: the
    highest rate whose p99 latency stays within the budget (default 20 ms on a
    GPU, 100 ms with --small), `--repeats` times (`benchmarks/serving_load.py`);
-5. overload: the HTTP server in its own process offered `--overload-factor`
+5. cache: the same trace through the user-state cache (`CachedModel`) at
+   several budgets (hit rate, single-request latency, sustained rate), and the
+   device time of the user side and the candidate side apart;
+6. overload: the HTTP server in its own process offered `--overload-factor`
    times the sustained rate for `--overload-seconds` from several client
    processes: answers, refusals by status, resets by type, client and server
    p99, and the SIGTERM drain time.
@@ -35,7 +38,7 @@ from flax import nnx
 from benchmarks import common
 from benchmarks.checkpoint_cost import checkpoint_cost
 from benchmarks.problems import ranking_batch
-from benchmarks.serving_load import BUILDS, overload, serving
+from benchmarks.serving_load import BUILDS, cache_serving, overload, serving, split_device_time
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.models import Ranker, RankerConfig
@@ -106,9 +109,14 @@ def main() -> None:
   parser.add_argument("--buckets", type=int, default=4, help="how many default buckets (1-4)")
   parser.add_argument("--max-in-flight", type=int, default=2, help="the batcher's")
   parser.add_argument("--repeats", type=int, default=3, help="serving: sustained-rate runs")
+  parser.add_argument("--cache-mb", type=float, nargs="*",
+                      help="cache: the user-state cache budgets (default 512 and 8192; "
+                           "--small 1 and 8)")
   parser.add_argument("--parts", nargs="*",
-                      choices=("inference", "training", "checkpoint", "serving", "overload"),
-                      default=("inference", "training", "checkpoint", "serving", "overload"),
+                      choices=("inference", "training", "checkpoint", "serving", "cache",
+                               "overload"),
+                      default=("inference", "training", "checkpoint", "serving", "cache",
+                               "overload"),
                       help="what to measure")
   parser.add_argument("--overload-factor", type=float, default=3.0,
                       help="overload: offered rate as a multiple of the sustained one")
@@ -139,6 +147,13 @@ def main() -> None:
     payload["serving"] = serving(model, config, mean, rates, budget_ms, args.requests_per_rate,
                                  args.seconds_per_rate, args.buckets, args.max_in_flight,
                                  args.repeats)
+  if "cache" in args.parts:
+    payload["split"] = split_device_time(model, config, (256, 1024) if not args.small else (64,),
+                                         (10, 70) if not args.small else (8,), args.iterations)
+    budgets = args.cache_mb or ((1.0, 8.0) if args.small else (512.0, 8192.0))
+    payload["cache"] = cache_serving(model, config, mean, rates, budget_ms,
+                                     args.requests_per_rate, args.seconds_per_rate, args.buckets,
+                                     args.max_in_flight, budgets)
   if "overload" in args.parts:
     # Past the rate each build sustained (or, without the serving part, past the top rate).
     sustained = {b: payload.get("serving", {}).get(b, {}).get("sustained_qps") or max(rates)

@@ -5,7 +5,9 @@ where one call's time goes, the device time of a call, single-request latency,
 and the highest sustained rate (a ladder of Poisson rates, then bisection at
 the knee), repeated to show how repeatable it is. `overload` starts the HTTP
 server in its own process and offers it a multiple of that rate from client
-processes.
+processes. `cache_serving` serves the same trace through the user-state cache
+(`CachedModel`) at several budgets, and `split_device_time` times the model's
+user side and candidate side apart.
 """
 
 from __future__ import annotations
@@ -17,15 +19,19 @@ import sys
 import time
 
 import httpx
+import jax
 import numpy as np
 from prometheus_client import parser
 
 from benchmarks import common
+from benchmarks.problems import ranking_batch
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.serving import Batcher, BatchingConfig, BucketedModel, http_load
 from ikbo_jax.serving.buckets import default_buckets
+from ikbo_jax.serving.cached import CachedModel, user_state_bytes
 from ikbo_jax.serving.load import run_load
+from ikbo_jax.serving.user_cache import user_key
 from ikbo_jax.testing import loopback
 
 BUILDS = ("ikbo", "standard")
@@ -210,3 +216,52 @@ def overload(preset: str, build: str, requests, qps: float, seconds: float, proc
         f"{stats['errors_by_kind']}; p99 {stats['p99_ms']:.1f} ms (server <= "
         f"{stats['server_p99_ms_at_most']:.0f} ms)", flush=True)
   return stats
+
+
+def split_device_time(model, config, sizes, ratios, iterations: int) -> dict:
+  """Device ms of the user side and of the candidate side alone, per (B, ratio)."""
+  user_side = jax.jit(lambda m, b: m.user_state(b.history, b.user_dense, b.history_len))
+  candidate_side = jax.jit(lambda m, state, b: m.score_candidates(
+      state, b.cand_items, b.cand_dense, b.index()))
+  whole = jax.jit(lambda m, b: m(b))
+  rows = {}
+  for b in sizes:
+    for ratio in ratios:
+      batch = jax.device_put(ranking_batch(config, max(1, round(b / ratio)), b))
+      state = user_side(model, batch)
+      row = dict(num_candidates=b, num_users=batch.num_users)
+      row["user_side_ms"], _ = common.median_ms(user_side, model, batch, iterations=iterations)
+      row["candidate_side_ms"], _ = common.median_ms(candidate_side, model, state, batch,
+                                                     iterations=iterations)
+      row["ikbo_build_ms"], row["timer"] = common.median_ms(whole, model, batch,
+                                                            iterations=iterations)
+      rows[f"B{b}_ratio{ratio}"] = row
+      print(f"split B={b} ratio={ratio}: {row}", flush=True)
+  return rows
+
+
+def cache_serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
+                  seconds_per_rate, num_buckets, max_in_flight, budgets_mb) -> dict:
+  """The Zipf trace through `CachedModel` at each cache budget: hit rate, latency, sustained rate.
+
+  The uncached builds' numbers come from `serving` in the same run.
+  """
+  gen = ClickGenerator(config, seed=3, mean_candidates=mean_candidates,
+                       max_candidates=int(4 * mean_candidates))
+  count = lambda rate: max(requests_per_rate, int(rate * seconds_per_rate))
+  requests = serving_trace(gen, count(max(rates)))
+  buckets = default_buckets(config, mean_candidates=mean_candidates, count=num_buckets)
+  out = dict(bytes_per_user=user_state_bytes(model),
+             distinct_users=len({user_key(r.validated(config)) for r in requests}))
+  for mb in budgets_mb:
+    cached = CachedModel(model, buckets, cache_bytes=int(mb * 2**20))
+    single = asyncio.run(_single_requests(cached, requests[:300]))
+    cached.flush()
+    rate, ladder = sustained_rate(cached, requests, rates, budget_ms, count, max_in_flight)
+    report = cached.report()
+    out[f"{mb}MB"] = dict(capacity=cached.capacity, single_request=single, sustained_qps=rate,
+                          ladder=ladder, cache=report)
+    print(f"cache {mb} MB ({cached.capacity} users): hit rate {report['hit_rate']:.2f}, "
+          f"single p50 {single['p50_ms']:.2f} ms, sustained {rate:.0f}/s", flush=True)
+    del cached
+  return out
