@@ -21,7 +21,7 @@ SCRIPTS = {
     "self_target_attention": ([], "fused_xla"),
     "ranking_system": (["--requests-per-rate", "30", "--seconds-per-rate", "0", "--sizes", "64",
                         "--ratios", "8", "--rates", "100", "200", "--buckets", "1",
-                        "--repeats", "1"],
+                        "--repeats", "1", "--cache-mb", "1"],
                        "sustained QPS ratio"),
     "rewrite": ([], "fraction of the hand-written speedup"),
 }
@@ -63,6 +63,10 @@ def test_small_results_are_complete(small_run):
       assert set(stress["errors_by_kind"]) <= {"429", "503"}, stress["errors_by_kind"]
       assert stress["drain_seconds"] < 30
     assert all(s["errors"] == 0 for s in serving["ikbo"]["ladder"])
+    cache = result["cache"]["1.0MB"]
+    assert cache["capacity"] > 0 and 0 <= cache["cache"]["hit_rate"] <= 1 and cache["ladder"]
+    assert all(row["user_side_ms"] > 0 and row["candidate_side_ms"] > 0
+               for row in result["split"].values())
     saving = result["checkpoint"]["intervals"]["10"]
     assert saving["saves_per_round"] == 4 and saving["plain_ms_per_step"] > 0
   elif name == "rewrite":
