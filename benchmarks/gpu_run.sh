@@ -19,6 +19,12 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 # One compilation cache for the processes of a call (the benchmark and the servers it starts).
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}
 STEPS=${STEPS:-lc attention self_target tests demo diagnostics}
+# The device image has no starlette or uvicorn (serving): carry their wheels as .whl (here:
+# pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl starlette uvicorn).
+if [ -d .whl ] && ! python3 -c "import starlette, uvicorn" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv > "$OUT/nvidia_smi.txt"
 if has lc; then
@@ -106,6 +112,14 @@ if has serving; then
     --out "$OUT/serving_profile_h200.json" --trace-dir /tmp/serving_trace 2>&1 | grep -v Warning | tail -n 4
   gzip -c /tmp/serving_trace/*.xplane.pb > "$OUT/serving_profile_h200.xplane.pb.gz"
 fi
+if has serving_overload; then
+  # The serving step's ladder (three runs) and checkpoint cost, then 3x the sustained rates
+  # over HTTP, in one call.
+  timeout "${OVERLOAD_TIMEOUT:-560}" python3 -m benchmarks.ranking_system \
+    --parts checkpoint serving overload --client-processes "${CLIENT_PROCESSES:-8}" \
+    --overload-seconds "${OVERLOAD_SECONDS:-60}" --out "$OUT/ranking_system_serving_h200.json" \
+    2>&1 | grep -v Warning | tee "$OUT/serving.log" | cut -c1-300 | tail -n 40
+fi
 if has cache; then
   # The user-state cache: the uncached builds' ladder once, then the cached build at two
   # budgets on the same Zipf trace, and the user / candidate sides' device times apart.
@@ -114,10 +128,6 @@ if has cache; then
     | tee "$OUT/cache.log" | cut -c1-300 | tail -n 30
 fi
 if has overload; then
-  # The device image has no starlette or uvicorn: carry their wheels as .whl (here:
-  # pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl starlette uvicorn).
-  python3 -c "import starlette, uvicorn" 2>/dev/null || python3 -m pip install -q --no-index \
-    --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
   # The serving ladder (call breakdown, sustained rates), then 3x those rates over HTTP for
   # OVERLOAD_SECONDS per build from client processes.
   timeout "${OVERLOAD_TIMEOUT:-540}" python3 -m benchmarks.ranking_system --parts serving overload \
