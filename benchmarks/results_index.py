@@ -33,6 +33,8 @@ PRODUCERS = {
     "attention_diagnostics": "benchmarks/attention_diagnostics.py",
     "attention_profile": "the attention profiler (removed; git history at 96ba4de)",
     "ranking_system": "benchmarks/ranking_system.py",
+    "serving_profile": "benchmarks/serving_profile.py",
+    "checkpoint_cost": "benchmarks/checkpoint_cost.py (ranking_system --parts checkpoint; from its log)",
     "rewrite_fuzz": "tools/rewrite_fuzz.py",
     "rewrite_old_code": "tools/rewrite_fuzz.py on the old code",
     "rewrite": "benchmarks/rewrite.py",

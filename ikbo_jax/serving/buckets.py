@@ -96,7 +96,7 @@ class BucketedModel:
     self.device = device or jax.devices()[0]
     self._placement = jax.sharding.SingleDeviceSharding(self.device)
     self._state = jax.device_put(state, self._placement)
-    self._executables, self._layouts = {}, {}
+    self._executables, self._layouts, self._jitted = {}, {}, {}
     self._host_buffers = threading.local()  # by bucket: (flat buffer, views), one per thread
     for bucket in self.buckets:
       start = time.perf_counter()
@@ -104,8 +104,8 @@ class BucketedModel:
                              bucket.history_slots)
       flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self._placement)
       self._layouts[bucket] = layout
-      self._executables[bucket] = (
-          jax.jit(functools.partial(probabilities, layout)).lower(self._state, flat).compile())
+      self._jitted[bucket] = jax.jit(functools.partial(probabilities, layout))
+      self._executables[bucket] = self._jitted[bucket].lower(self._state, flat).compile()
       if on_compiled is not None:
         on_compiled(bucket, time.perf_counter() - start)
 
@@ -126,13 +126,15 @@ class BucketedModel:
 
   def device_call(self, requests: Sequence[Request]) -> tuple[Callable[[jax.Array], jax.Array],
                                                               jax.Array]:
-    """What a call runs on the device: the bucket's executable and the packed batch, there.
+    """What a call runs on the device: the bucket's program and the packed batch, there.
 
     `fn(flat)` computes the probabilities of every candidate slot; benchmarks
-    time it alone (the device time of a call, with no host work around it).
+    time it alone (the device time of a call, with no host work around it). It
+    is the jitted function the bucket's executable was compiled from, so that a
+    profiler can trace it (an executable compiled ahead of time cannot be).
     """
     bucket, host = self._pack(requests)
-    return (functools.partial(self._executables[bucket], self._state),
+    return (functools.partial(self._jitted[bucket], self._state),
             jax.device_put(host.copy(), self._placement))
 
   def call_breakdown(self, requests: Sequence[Request]) -> dict[str, float]:
