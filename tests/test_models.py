@@ -105,8 +105,9 @@ def test_config_rejects_bad_sizes():
 def test_bfloat16_ikbo_build_meets_the_error_rule_on_the_gpu(shuffled):
   """The IKBO build on the GPU kernels, against the float32 standard build at HIGHEST.
 
-  Its error in the scores and in the loss's gradients is held to the rule's global
-  bound against the same-precision (bfloat16) standard build's error.
+  Its error in the scores and in the loss's gradients, and the error of the scores of its
+  two halves (`user_state`, `score_candidates`), are held to the rule's global bound
+  against the same-precision (bfloat16) standard build's error.
   """
   from ikbo_jax.testing import error_rule
 
@@ -142,10 +143,16 @@ def test_bfloat16_ikbo_build_meets_the_error_rule_on_the_gpu(shuffled):
     assert comparison.kernel_err <= 2 * comparison.reference_err + comparison.floor, (
         comparison.describe())
 
-  assert_global("logits", ikbo[0], same[0], truth[0])
+  # The two halves the user-state cache runs apart (serving only: scores, no gradients).
+  split = nnx.jit(lambda m, b: m.score_candidates(
+      m.user_state(b.history, b.user_dense, b.history_len), b.cand_items, b.cand_dense,
+      b.index()))
+  halves = np.asarray(split(bf16, batch))[mask]
   worst = lambda out: np.max(np.abs(out - truth[0]))
-  assert worst(ikbo[0]) <= 2 * worst(same[0]) + 1e-2 * np.max(np.abs(truth[0])), (
-      worst(ikbo[0]), worst(same[0]))
+  for name, logits in (("logits", ikbo[0]), ("logits of the two halves", halves)):
+    assert_global(name, logits, same[0], truth[0])
+    assert worst(logits) <= 2 * worst(same[0]) + 1e-2 * np.max(np.abs(truth[0])), (
+        name, worst(logits), worst(same[0]))
   leaf = lambda grads, path: np.asarray(
       functools.reduce(lambda g, k: g[k], path, grads)[...], np.float32)
   for path in (("items", "embedding"), ("sequence", "key", "kernel"),
