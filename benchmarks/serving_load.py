@@ -25,6 +25,7 @@ from prometheus_client import parser
 
 from benchmarks import common
 from benchmarks.problems import ranking_batch
+from ikbo_jax.data import pack_requests
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.serving import Batcher, BatchingConfig, BucketedModel, http_load
@@ -220,24 +221,42 @@ def overload(preset: str, build: str, requests, qps: float, seconds: float, proc
 
 def split_device_time(model, config, sizes, ratios, iterations: int) -> dict:
   """Device ms of the user side and of the candidate side alone, per (B, ratio)."""
-  user_side = jax.jit(lambda m, b: m.user_state(b.history, b.user_dense, b.history_len))
-  candidate_side = jax.jit(lambda m, state, b: m.score_candidates(
-      state, b.cand_items, b.cand_dense, b.index()))
-  whole = jax.jit(lambda m, b: m(b))
   rows = {}
   for b in sizes:
     for ratio in ratios:
       batch = jax.device_put(ranking_batch(config, max(1, round(b / ratio)), b))
-      state = user_side(model, batch)
-      row = dict(num_candidates=b, num_users=batch.num_users)
-      row["user_side_ms"], _ = common.median_ms(user_side, model, batch, iterations=iterations)
-      row["candidate_side_ms"], _ = common.median_ms(candidate_side, model, state, batch,
-                                                     iterations=iterations)
-      row["ikbo_build_ms"], row["timer"] = common.median_ms(whole, model, batch,
-                                                            iterations=iterations)
+      row = dict(num_candidates=b, num_users=batch.num_users, **_sides(model, batch, iterations))
       rows[f"B{b}_ratio{ratio}"] = row
       print(f"split B={b} ratio={ratio}: {row}", flush=True)
   return rows
+
+
+def _sides_apart(model, config, buckets, requests) -> dict:
+  """Device ms of a full batch's user side, candidate side and whole IKBO build, apart."""
+  largest = max(buckets)
+  full = next(requests[:n] for n in range(largest.num_users, 0, -1)
+              if largest.fits(requests[:n]))
+  batch = jax.device_put(pack_requests([r.validated(config) for r in full], config,
+                                       num_users=largest.num_users,
+                                       num_candidates=largest.num_candidates,
+                                       history_slots=largest.history_slots))
+  rows = _sides(model, batch)
+  rows.update(requests=len(full), bucket=str(largest))
+  return rows
+
+
+def _sides(model, batch, iterations: int = 50) -> dict:
+  user_side = jax.jit(lambda m, b: m.user_state(b.history, b.user_dense, b.history_len))
+  candidate_side = jax.jit(lambda m, state, b: m.score_candidates(
+      state, b.cand_items, b.cand_dense, b.index()))
+  row = {}
+  row["user_side_ms"], _ = common.median_ms(user_side, model, batch, iterations=iterations)
+  row["candidate_side_ms"], _ = common.median_ms(candidate_side, model,
+                                                 user_side(model, batch), batch,
+                                                 iterations=iterations)
+  row["ikbo_build_ms"], row["timer"] = common.median_ms(jax.jit(lambda m, b: m(b)), model,
+                                                        batch, iterations=iterations)
+  return row
 
 
 def cache_serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
@@ -253,14 +272,23 @@ def cache_serving(model, config, mean_candidates, rates, budget_ms, requests_per
   buckets = default_buckets(config, mean_candidates=mean_candidates, count=num_buckets)
   out = dict(bytes_per_user=user_state_bytes(model),
              distinct_users=len({user_key(r.validated(config)) for r in requests}))
+  out["full_batch"] = _sides_apart(model, config, buckets, requests)
+  largest = max(buckets)
+  full = next(requests[:n] for n in range(largest.num_users, 0, -1)
+              if largest.fits(requests[:n]))
   for mb in budgets_mb:
     cached = CachedModel(model, buckets, cache_bytes=int(mb * 2**20))
+    # A full batch whose users all hit costs its candidate side alone: against that side
+    # timed apart at the same padded shapes, and against the uncached build's device time.
+    hit_ms, timer = common.median_ms(*cached.device_call(full), iterations=50)
+    cached.flush()
     single = asyncio.run(_single_requests(cached, requests[:300]))
     cached.flush()
     rate, ladder = sustained_rate(cached, requests, rates, budget_ms, count, max_in_flight)
     report = cached.report()
     out[f"{mb}MB"] = dict(capacity=cached.capacity, single_request=single, sustained_qps=rate,
-                          ladder=ladder, cache=report)
+                          ladder=ladder, cache=report, full_batch_all_hits_ms=hit_ms,
+                          timer=timer)
     print(f"cache {mb} MB ({cached.capacity} users): hit rate {report['hit_rate']:.2f}, "
           f"single p50 {single['p50_ms']:.2f} ms, sustained {rate:.0f}/s", flush=True)
     del cached

@@ -65,6 +65,7 @@ def test_small_results_are_complete(small_run):
     assert all(s["errors"] == 0 for s in serving["ikbo"]["ladder"])
     cache = result["cache"]["1.0MB"]
     assert cache["capacity"] > 0 and 0 <= cache["cache"]["hit_rate"] <= 1 and cache["ladder"]
+    assert cache["full_batch_all_hits_ms"] > 0 and result["cache"]["full_batch"]["user_side_ms"] > 0
     assert all(row["user_side_ms"] > 0 and row["candidate_side_ms"] > 0
                for row in result["split"].values())
     saving = result["checkpoint"]["intervals"]["10"]

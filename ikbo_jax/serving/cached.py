@@ -67,6 +67,7 @@ class CachedModel:
     self.config = model.config
     self.buckets = tuple(sorted(set(buckets)))
     graphdef, params = nnx.split(model)
+    self._graphdef = graphdef
     self._placement = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     self._params = jax.device_put(params, self._placement)
     row = _one_user_state(model)
@@ -122,6 +123,29 @@ class CachedModel:
         raise
     probabilities.copy_to_host_async()
     return per_request(np.asarray(probabilities), requests)
+
+  def device_call(self, requests: Sequence[Request]) -> tuple[Callable[[jax.Array], jax.Array],
+                                                              jax.Array]:
+    """What a call of `requests` runs on the device once their users are cached.
+
+    Scores `requests` (caching their users), then returns the bucket's candidate
+    side as a jitted function of the packed batch, and that batch on the device:
+    a call's device cost when every user hits (benchmarks time it alone). The
+    function reads the table as it is now: time it before the next call.
+    """
+    self(requests)
+    bucket = self.bucket_for(requests)
+    with self._lock:
+      placement = self.slots.place([user_key(r) for r in requests])
+      if placement.misses:
+        raise RuntimeError("the requests' users left the cache at once (a time to live "
+                           "shorter than a call?)")
+      flat = jax.device_put(self._pack_candidates(bucket, requests, placement.slots),
+                            self._placement)
+      table = self._table
+    step = jax.jit(functools.partial(_score_candidates, self._graphdef,
+                                     self._reader_layout(bucket)))
+    return functools.partial(step, self._params, table), flat
 
   def report(self) -> dict:
     """The table's size and use: what `GET /cache` and the metrics show."""
