@@ -7,6 +7,7 @@
 # "system" (the ranking system benchmark and the main job at the benchmark preset),
 # "serving" (checkpoint cost, the serving ladder three times, a profiler trace under load),
 # "cache" (the serving ladder once, then the user-state cache at two budgets),
+# "cache_soak" (tools/cache_soak.py for SOAK_MINUTES),
 # "overload" (the serving ladder, then 3x the sustained rates over HTTP: refusals, resets, p99),
 # "rewrite" (original vs rewritten vs hand-written IKBO code), "fuzz" (the rewrite's property test
 # on the host's CPUs), "rewrite_tests" (the rewrite's tests on the GPU),
@@ -121,11 +122,18 @@ if has serving_overload; then
     2>&1 | grep -v Warning | tee "$OUT/serving.log" | cut -c1-300 | tail -n 40
 fi
 if has cache; then
-  # The user-state cache: the uncached builds' ladder once, then the cached build at two
-  # budgets on the same Zipf trace, and the user / candidate sides' device times apart.
+  # The user-state cache: its GPU tests, the uncached builds' ladder once, then the cached
+  # build at two budgets on the same Zipf trace, and the user / candidate sides' device times.
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_user_cache.py \
+    tests/test_models.py 2>&1 | tail -n 15 | tee "$OUT/cache_gpu_tests.log"
   timeout "${CACHE_TIMEOUT:-540}" python3 -m benchmarks.ranking_system --parts serving cache \
     --repeats 1 --out "$OUT/ranking_system_cache_h200.json" 2>&1 | grep -v Warning \
     | tee "$OUT/cache.log" | cut -c1-300 | tail -n 30
+fi
+if has cache_soak; then
+  # Cached scores against the uncached build for SOAK_MINUTES, evicting all the time.
+  timeout $(( ${SOAK_MINUTES:-5} * 60 + 240 )) python3 tools/cache_soak.py \
+    --minutes "${SOAK_MINUTES:-5}" --out "$OUT/cache_soak_h200.json" 2>&1 | tail -n 20 | cut -c1-300
 fi
 if has overload; then
   # The serving ladder (call breakdown, sustained rates), then 3x those rates over HTTP for
