@@ -39,6 +39,7 @@ PRODUCERS = {
     "rewrite_old_code": "tools/rewrite_fuzz.py on the old code",
     "rewrite": "benchmarks/rewrite.py",
     "soak": "tools/soak.py",
+    "cache_soak": "tools/cache_soak.py",
     "gpu_sweep": "tests/test_gpu_sweep.py",
     "gpu_checks": "pytest -m gpu and the GPU sweep, one device call (summarized by hand)",
     "correctness_sweep": "tests/test_gpu_sweep.py (an earlier form)",
