@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import datetime
 import json
+import os
 import sys
 import threading
 import time
@@ -84,8 +86,10 @@ def main() -> int:
     while time.monotonic() < deadline:
       list(threads.map(check, _batches(config, mean, seed, 2000, changed_share=0.05)))
       seed += 1
-  report = dict(device=jax.devices()[0].device_kind, minutes=args.minutes, tolerance=tolerance,
-                **counts, cache=cached.report())
+  report = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                commit=os.environ.get("IKBO_COMMIT", "unknown"),
+                device=jax.devices()[0].device_kind, config=str(config), minutes=args.minutes,
+                tolerance=tolerance, **counts, cache=cached.report())
   print(json.dumps(report, indent=1))
   with open(args.out, "w") as f:
     json.dump(report, f, indent=1)
