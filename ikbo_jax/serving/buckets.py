@@ -58,6 +58,19 @@ def default_buckets(config: RankerConfig, *, max_batch_requests: int = 16,
                  for fraction, users in shapes})
 
 
+def checked_buckets(buckets: Sequence[Bucket], config: RankerConfig) -> tuple[Bucket, ...]:
+  """`buckets` sorted and without repeats, or a ValueError naming the bad one."""
+  if not buckets:
+    raise ValueError("buckets is empty: give at least one Bucket")
+  for b in buckets:
+    if not all(isinstance(x, int) and x > 0 for x in dataclasses.astuple(b)):
+      raise ValueError(f"bucket sizes must be positive ints, got {b}")
+    if b.history_slots > config.max_history:
+      raise ValueError(f"{b}: history_slots must be at most the model's max_history="
+                       f"{config.max_history}")
+  return tuple(sorted(set(buckets)))
+
+
 class BucketedModel:
   """Click probabilities for packed requests, one compiled executable per bucket.
 
@@ -76,17 +89,9 @@ class BucketedModel:
                device: jax.Device | None = None,
                on_compiled: Callable[[Bucket, float], None] | None = None):
     build = Build.parse(build)
-    if not buckets:
-      raise ValueError("buckets is empty: give at least one Bucket")
     config = model.config
-    for b in buckets:
-      if not all(isinstance(x, int) and x > 0 for x in dataclasses.astuple(b)):
-        raise ValueError(f"bucket sizes must be positive ints, got {b}")
-      if b.history_slots > config.max_history:
-        raise ValueError(f"{b}: history_slots must be at most the model's max_history="
-                         f"{config.max_history}")
     self.config, self.build = config, build
-    self.buckets = tuple(sorted(set(buckets)))
+    self.buckets = checked_buckets(buckets, config)
     graphdef, state = nnx.split(model)
 
     def probabilities(layout: FlatLayout, state, flat: jax.Array) -> jax.Array:

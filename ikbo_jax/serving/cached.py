@@ -39,7 +39,7 @@ from ikbo_jax.data import Request
 from ikbo_jax.data.packing import candidate_offsets
 from ikbo_jax.index import CandidateIndex
 from ikbo_jax.models import Build, Ranker
-from ikbo_jax.serving.buckets import Bucket, per_request
+from ikbo_jax.serving.buckets import Bucket, checked_buckets, per_request
 from ikbo_jax.serving.transfer import FlatLayout
 from ikbo_jax.serving.user_cache import SlotTable, user_key
 
@@ -62,10 +62,8 @@ class CachedModel:
   def __init__(self, model: Ranker, buckets: Sequence[Bucket], *, cache_bytes: int,
                ttl_seconds: float | None = None, device: jax.Device | None = None,
                on_compiled: Callable[[str, float], None] | None = None):
-    if not buckets:
-      raise ValueError("buckets is empty: give at least one Bucket")
     self.config = model.config
-    self.buckets = tuple(sorted(set(buckets)))
+    self.buckets = checked_buckets(buckets, model.config)
     graphdef, params = nnx.split(model)
     self._graphdef = graphdef
     self._placement = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
