@@ -61,6 +61,13 @@ def call_breakdown(served, requests, iterations: int) -> dict:
   return row
 
 
+async def _full_batch(requests, buckets):
+  """A full batch: the longest prefix of the trace that the largest bucket holds."""
+  largest = max(buckets)
+  return next(requests[:n] for n in range(largest.num_users, 0, -1)
+              if largest.fits(requests[:n]))
+
+
 async def _single_requests(served, requests) -> dict:
   """Latency of requests sent one at a time (each answered before the next goes)."""
   async with Batcher(served, BatchingConfig()) as batcher:
@@ -125,10 +132,7 @@ def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
   out = dict(budget_p99_ms=budget_ms, mean_candidates=mean_candidates,
              max_in_flight=max_in_flight, trace="serving_trace (Zipf users)",
              buckets=[(b.num_candidates, b.num_users, b.history_slots) for b in buckets])
-  largest = max(buckets)
-  # A full batch: the longest prefix of the trace the largest bucket holds.
-  full = next(requests[:n] for n in range(largest.num_users, 0, -1)
-              if largest.fits(requests[:n]))
+  full = _full_batch(requests, buckets)
   for build in BUILDS:
     served = BucketedModel(model, buckets, build)
     breakdown = {"one_request": call_breakdown(served, requests[:1], 100),
@@ -233,9 +237,7 @@ def split_device_time(model, config, sizes, ratios, iterations: int) -> dict:
 
 def _sides_apart(model, config, buckets, requests) -> dict:
   """Device ms of a full batch's user side, candidate side and whole IKBO build, apart."""
-  largest = max(buckets)
-  full = next(requests[:n] for n in range(largest.num_users, 0, -1)
-              if largest.fits(requests[:n]))
+  largest, full = max(buckets), _full_batch(requests, buckets)
   batch = jax.device_put(pack_requests([r.validated(config) for r in full], config,
                                        num_users=largest.num_users,
                                        num_candidates=largest.num_candidates,
@@ -273,9 +275,7 @@ def cache_serving(model, config, mean_candidates, rates, budget_ms, requests_per
   out = dict(bytes_per_user=user_state_bytes(model),
              distinct_users=len({user_key(r.validated(config)) for r in requests}))
   out["full_batch"] = _sides_apart(model, config, buckets, requests)
-  largest = max(buckets)
-  full = next(requests[:n] for n in range(largest.num_users, 0, -1)
-              if largest.fits(requests[:n]))
+  full = _full_batch(requests, buckets)
   for mb in budgets_mb:
     cached = CachedModel(model, buckets, cache_bytes=int(mb * 2**20))
     # A full batch whose users all hit costs its candidate side alone: against that side
