@@ -61,7 +61,7 @@ def call_breakdown(served, requests, iterations: int) -> dict:
   return row
 
 
-async def _full_batch(requests, buckets):
+def _full_batch(requests, buckets):
   """A full batch: the longest prefix of the trace that the largest bucket holds."""
   largest = max(buckets)
   return next(requests[:n] for n in range(largest.num_users, 0, -1)
