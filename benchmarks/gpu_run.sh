@@ -138,7 +138,10 @@ fi
 if has overload; then
   # The serving ladder (call breakdown, sustained rates), then 3x those rates over HTTP for
   # OVERLOAD_SECONDS per build from client processes.
-  timeout "${OVERLOAD_TIMEOUT:-540}" python3 -m benchmarks.ranking_system --parts serving overload \
+  # SUSTAINED="IKBO STANDARD" (rates from an earlier serving run) skips the ladder.
+  parts="serving overload"; [ -n "${SUSTAINED:-}" ] && parts="overload"
+  timeout "${OVERLOAD_TIMEOUT:-540}" python3 -m benchmarks.ranking_system \
+    ${SUSTAINED:+--sustained $SUSTAINED} --parts $parts \
     --repeats 1 --client-processes "${CLIENT_PROCESSES:-8}" \
     --overload-seconds "${OVERLOAD_SECONDS:-60}" --out "$OUT/ranking_system_overload_h200.json" \
     2>&1 | grep -v Warning | tee "$OUT/overload.log" | cut -c1-400 | tail -n 12

@@ -121,6 +121,9 @@ def main() -> None:
   parser.add_argument("--overload-factor", type=float, default=3.0,
                       help="overload: offered rate as a multiple of the sustained one")
   parser.add_argument("--overload-seconds", type=float, help="default 60, --small 2")
+  parser.add_argument("--sustained", type=float, nargs=2, metavar=("IKBO", "STANDARD"),
+                      help="overload without the serving part: the builds' sustained rates "
+                           "(from an earlier run) that the factor multiplies")
   parser.add_argument("--client-processes", type=int,
                       help="overload: load generator processes (default 4, --small 1)")
   parser.add_argument("--out", required=True)
@@ -155,9 +158,13 @@ def main() -> None:
                                      args.requests_per_rate, args.seconds_per_rate, args.buckets,
                                      args.max_in_flight, budgets)
   if "overload" in args.parts:
-    # Past the rate each build sustained (or, without the serving part, past the top rate).
-    sustained = {b: payload.get("serving", {}).get(b, {}).get("sustained_qps") or max(rates)
-                 for b in BUILDS}
+    # Past the rate each build sustained: measured by the serving part, or given.
+    if "serving" in payload:
+      sustained = {b: payload["serving"][b]["sustained_qps"] for b in BUILDS}
+    elif args.sustained:
+      sustained = dict(zip(BUILDS, args.sustained))
+    else:
+      parser.error("the overload part needs the serving part or --sustained")
     seconds = args.overload_seconds or (2.0 if args.small else 60.0)
     gen = ClickGenerator(config, seed=4, mean_candidates=mean,
                          max_candidates=int(4 * mean))
