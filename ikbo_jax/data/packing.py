@@ -57,19 +57,37 @@ def pack_requests(requests: Sequence[Request], config: RankerConfig, *, num_user
         raise ValueError(f"out.{name} is {x.dtype}{list(x.shape)}; the batch needs "
                          f"{np.dtype(_DTYPES[name])}{list(shape)}")
       x.fill(0)
-  user_dense, history, history_len, cand_to_user, cand_items, cand_dense, labels = (
-      getattr(out, name) for name in shapes)
-  cand_to_user.fill(num_users)  # padding: out of range
-  for u, (request, start, stop) in enumerate(zip(requests, starts[:-1], starts[1:])):
+  pack_users(requests, out.user_dense, out.history, out.history_len)
+  pack_candidates(requests, num_users, out.cand_to_user, out.cand_items, out.cand_dense,
+                  out.labels)
+  return out
+
+
+def pack_users(requests: Sequence[Request], user_dense: np.ndarray, history: np.ndarray,
+               history_len: np.ndarray) -> None:
+  """Writes request `r`'s user inputs into row `r` of the given (zeroed) arrays."""
+  for u, request in enumerate(requests):
     user_dense[u] = request.user_dense
     history[u, :len(request.history)] = request.history
     history_len[u] = len(request.history)
+
+
+def pack_candidates(requests: Sequence[Request], num_users: int, cand_to_user: np.ndarray,
+                    cand_items: np.ndarray, cand_dense: np.ndarray,
+                    labels: np.ndarray | None = None) -> None:
+  """Lays the requests' candidates out in order into the given (zeroed) arrays.
+
+  Candidates of request `r` map to user `r`; the slots past them are padding,
+  mapped to the out-of-range id `num_users`.
+  """
+  cand_to_user.fill(num_users)
+  starts = candidate_offsets(requests)
+  for u, (request, start, stop) in enumerate(zip(requests, starts[:-1], starts[1:])):
     cand_to_user[start:stop] = u
     cand_items[start:stop] = request.cand_items
     cand_dense[start:stop] = request.cand_dense
-    if request.labels is not None:
+    if labels is not None and request.labels is not None:
       labels[start:stop] = request.labels
-  return out
 
 
 def candidate_offsets(requests: Sequence[Request]) -> np.ndarray:

@@ -71,6 +71,20 @@ def checked_buckets(buckets: Sequence[Bucket], config: RankerConfig) -> tuple[Bu
   return tuple(sorted(set(buckets)))
 
 
+def smallest_fitting(buckets: Sequence[Bucket], requests: Sequence[Request]) -> Bucket | None:
+  """The smallest of the (sorted) `buckets` that holds `requests`, or None."""
+  return next((b for b in buckets if b.fits(requests)), None)
+
+
+def bucket_holding(buckets: Sequence[Bucket], requests: Sequence[Request]) -> Bucket:
+  """`smallest_fitting`, or a ValueError saying what did not fit."""
+  bucket = smallest_fitting(buckets, requests)
+  if bucket is None:
+    raise ValueError(f"{len(requests)} requests with {sum(r.num_candidates for r in requests)} "
+                     f"candidates fit no bucket; the largest is {buckets[-1]}")
+  return bucket
+
+
 class BucketedModel:
   """Click probabilities for packed requests, one compiled executable per bucket.
 
@@ -120,7 +134,7 @@ class BucketedModel:
 
   def bucket_for(self, requests: Sequence[Request]) -> Bucket | None:
     """The smallest bucket that holds `requests`, or None."""
-    return next((b for b in self.buckets if b.fits(requests)), None)
+    return smallest_fitting(self.buckets, requests)
 
   def __call__(self, requests: Sequence[Request]) -> list[np.ndarray]:
     """Each request's click probabilities, in its candidate order (validated requests)."""
@@ -167,10 +181,7 @@ class BucketedModel:
     thread's next call starts after its last one fetched its scores, so the
     device has read the buffer by then.
     """
-    bucket = self.bucket_for(requests)
-    if bucket is None:
-      raise ValueError(f"{len(requests)} requests with {sum(r.num_candidates for r in requests)} "
-                       f"candidates fit no bucket; the largest is {self.largest}")
+    bucket = bucket_holding(self.buckets, requests)
     if not hasattr(self._host_buffers, "by_bucket"):
       self._host_buffers.by_bucket = {}
     buffers = self._host_buffers.by_bucket

@@ -36,10 +36,11 @@ import numpy as np
 from flax import nnx
 
 from ikbo_jax.data import Request
-from ikbo_jax.data.packing import candidate_offsets
+from ikbo_jax.data.packing import pack_candidates, pack_users
 from ikbo_jax.index import CandidateIndex
 from ikbo_jax.models import Build, Ranker
-from ikbo_jax.serving.buckets import Bucket, checked_buckets, per_request
+from ikbo_jax.serving.buckets import (Bucket, bucket_holding, checked_buckets, per_request,
+                                     smallest_fitting)
 from ikbo_jax.serving.transfer import FlatLayout
 from ikbo_jax.serving.user_cache import SlotTable, user_key
 
@@ -69,7 +70,7 @@ class CachedModel:
     self._placement = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     self._params = jax.device_put(params, self._placement)
     row = _one_user_state(model)
-    self.bytes_per_user = user_state_bytes(model)
+    self.bytes_per_user = _nbytes(row)
     users = self.largest.num_users
     capacity = int(cache_bytes) // self.bytes_per_user
     if capacity < users:
@@ -99,14 +100,11 @@ class CachedModel:
 
   def bucket_for(self, requests: Sequence[Request]) -> Bucket | None:
     """The smallest bucket that holds `requests`, or None."""
-    return next((b for b in self.buckets if b.fits(requests)), None)
+    return smallest_fitting(self.buckets, requests)
 
   def __call__(self, requests: Sequence[Request]) -> list[np.ndarray]:
     """Each request's click probabilities, in its candidate order (validated requests)."""
-    bucket = self.bucket_for(requests)
-    if bucket is None:
-      raise ValueError(f"{len(requests)} requests with {sum(r.num_candidates for r in requests)} "
-                       f"candidates fit no bucket; the largest is {self.largest}")
+    bucket = bucket_holding(self.buckets, requests)
     keys = [user_key(r) for r in requests]
     with self._lock:
       placement = self.slots.place(keys)
@@ -132,7 +130,7 @@ class CachedModel:
     function reads the table as it is now: time it before the next call.
     """
     self(requests)
-    bucket = self.bucket_for(requests)
+    bucket = bucket_holding(self.buckets, requests)
     with self._lock:
       placement = self.slots.place([user_key(r) for r in requests])
       if placement.misses:
@@ -178,24 +176,17 @@ class CachedModel:
     m = next(n for n in self._writers if n >= len(misses))
     flat, views = self._writer_layout(m).host_views()
     views["slots"][:] = self.capacity  # padding rows: out of range, dropped
-    for row, (r, slot) in enumerate(misses):
-      history = requests[r].history
-      views["user_dense"][row] = requests[r].user_dense
-      views["history"][row, :len(history)] = history
-      views["history_len"][row] = len(history)
-      views["slots"][row] = slot
+    views["slots"][:len(misses)] = [slot for _, slot in misses]
+    pack_users([requests[r] for r, _ in misses], views["user_dense"], views["history"],
+               views["history_len"])
     return self._writers[m](self._params, self._table, jax.device_put(flat, self._placement))
 
   def _pack_candidates(self, bucket: Bucket, requests: Sequence[Request],
                        slots: np.ndarray) -> np.ndarray:
     flat, views = self._reader_layout(bucket).host_views()
     views["slots"][:len(slots)] = slots
-    views["cand_to_user"][:] = bucket.num_users  # padding candidates: out of range
-    offsets = candidate_offsets(requests)
-    for u, (request, start, stop) in enumerate(zip(requests, offsets[:-1], offsets[1:])):
-      views["cand_to_user"][start:stop] = u
-      views["cand_items"][start:stop] = request.cand_items
-      views["cand_dense"][start:stop] = request.cand_dense
+    pack_candidates(requests, bucket.num_users, views["cand_to_user"], views["cand_items"],
+                    views["cand_dense"])
     return flat
 
 
@@ -209,7 +200,11 @@ def _one_user_state(model: Ranker):
 
 def user_state_bytes(model: Ranker) -> int:
   """Device bytes of one user's cached state (a slot of the table)."""
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(_one_user_state(model)))
+  return _nbytes(_one_user_state(model))
+
+
+def _nbytes(tree) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def _write_users(graphdef, layout: FlatLayout, params, table, flat):
