@@ -28,9 +28,12 @@ if [ -d .whl ] && ! python3 -c "import starlette, uvicorn" 2>/dev/null; then
 fi
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv > "$OUT/nvidia_smi.txt"
+# Results are named by the card that measured them (h100, h200).
+TAG=$(grep -o "H[0-9]00" "$OUT/nvidia_smi.txt" | head -n 1 | tr "[:upper:]" "[:lower:]")
+TAG=${TAG:-gpu}
 if has lc; then
   timeout "${BENCH_TIMEOUT:-240}" python3 -m benchmarks.linear_compression ${BENCH_ARGS:-} \
-    --out "$OUT/linear_compression_h200.json" > "$OUT/bench.log" 2>&1
+    --out "$OUT/linear_compression_${TAG}.json" > "$OUT/bench.log" 2>&1
   tail -n 13 "$OUT/bench.log"
 fi
 if has backward; then
@@ -38,17 +41,17 @@ if has backward; then
     -m gpu -k "hopper or single_position or one_key or bit_repeatable" 2>&1 \
     | tee "$OUT/gpu_backward_tests.log" | tail -n 30
   timeout 280 python3 -m benchmarks.target_attention --seq-lens 512 1024 2048 4096 8192 \
-    --out "$OUT/target_attention_backward_h200.json" > "$OUT/attention_bench.log" 2>&1
+    --out "$OUT/target_attention_backward_${TAG}.json" > "$OUT/attention_bench.log" 2>&1
   tail -n 6 "$OUT/attention_bench.log" | cut -c1-1500
 fi
 if has attention; then
-  timeout 200 python3 -m benchmarks.target_attention --out "$OUT/target_attention_h200.json" \
+  timeout 200 python3 -m benchmarks.target_attention --out "$OUT/target_attention_${TAG}.json" \
     > "$OUT/attention_bench.log" 2>&1
   tail -n 6 "$OUT/attention_bench.log" | cut -c1-900
 fi
 if has self_target; then
   timeout 240 python3 -m benchmarks.self_target_attention \
-    --out "$OUT/self_target_attention_h200.json" > "$OUT/self_target_bench.log" 2>&1
+    --out "$OUT/self_target_attention_${TAG}.json" > "$OUT/self_target_bench.log" 2>&1
   tail -n 4 "$OUT/self_target_bench.log" | cut -c1-1500
 fi
 if has attention_diagnostics; then
@@ -56,7 +59,7 @@ if has attention_diagnostics; then
   # serialization warning (C7513) costs ~1.5x, spills cost registers' worth of local memory.
   MOSAIC_GPU_DUMP_PTXAS=1 timeout 240 \
     python3 -m benchmarks.attention_diagnostics ${DIAG_ARGS:-} \
-    --out "$OUT/attention_diagnostics_h200.json" > /tmp/attention_diagnostics.log 2>&1
+    --out "$OUT/attention_diagnostics_${TAG}.json" > /tmp/attention_diagnostics.log 2>&1
   grep "^S [0-9]* {" /tmp/attention_diagnostics.log | cut -c1-1500
   echo "ptxas: $(grep -c "ptxas" /tmp/attention_diagnostics.log) log lines," \
     "$(grep -ci warning /tmp/attention_diagnostics.log) warnings"
@@ -94,31 +97,31 @@ if has sweep; then
 fi
 if has soak; then
   timeout $(( ${SOAK_MINUTES:-5} * 60 + 120 )) python3 tools/soak.py --minutes "${SOAK_MINUTES:-5}" \
-    --out "$OUT/soak_h200.json" 2>&1 | tail -n 20 | cut -c1-400
+    --out "$OUT/soak_${TAG}.json" 2>&1 | tail -n 20 | cut -c1-400
 fi
 if has system; then
   timeout "${SYSTEM_TIMEOUT:-420}" python3 -m benchmarks.ranking_system \
-    --parts inference training serving --out "$OUT/ranking_system_h200.json" 2>&1 | grep -v Warning | tee "$OUT/ranking_system.log" \
+    --parts inference training serving --out "$OUT/ranking_system_${TAG}.json" 2>&1 | grep -v Warning | tee "$OUT/ranking_system.log" \
     | cut -c1-400 | tail -n 30
   timeout 240 python3 -m ikbo_jax --preset benchmark --steps 30 --requests 300 --qps 50 \
-    --out "$OUT/main_job_h200.json" 2>&1 | grep -v "Warning\|it/s\|step/s" | tail -n 8
+    --out "$OUT/main_job_${TAG}.json" 2>&1 | grep -v "Warning\|it/s\|step/s" | tail -n 8
 fi
 if has serving; then
   # In process: what checkpointing costs training, the serving ladder (call breakdown, device
   # time, single requests, sustained rates three times), then a profiler trace under load.
   timeout "${SERVING_TIMEOUT:-420}" python3 -m benchmarks.ranking_system --parts checkpoint serving \
-    --out "$OUT/ranking_system_serving_h200.json" 2>&1 | grep -v Warning \
+    --out "$OUT/ranking_system_serving_${TAG}.json" 2>&1 | grep -v Warning \
     | tee "$OUT/serving.log" | cut -c1-300 | tail -n 40
   timeout 150 python3 -m benchmarks.serving_profile --qps "${PROFILE_QPS:-2000}" \
-    --out "$OUT/serving_profile_h200.json" --trace-dir /tmp/serving_trace 2>&1 | grep -v Warning | tail -n 4
-  gzip -c /tmp/serving_trace/*.xplane.pb > "$OUT/serving_profile_h200.xplane.pb.gz"
+    --out "$OUT/serving_profile_${TAG}.json" --trace-dir /tmp/serving_trace 2>&1 | grep -v Warning | tail -n 4
+  gzip -c /tmp/serving_trace/*.xplane.pb > "$OUT/serving_profile_${TAG}.xplane.pb.gz"
 fi
 if has serving_overload; then
   # The serving step's ladder (three runs) and checkpoint cost, then 3x the sustained rates
   # over HTTP, in one call.
   timeout "${OVERLOAD_TIMEOUT:-560}" python3 -m benchmarks.ranking_system \
     --parts checkpoint serving overload --client-processes "${CLIENT_PROCESSES:-8}" \
-    --overload-seconds "${OVERLOAD_SECONDS:-60}" --out "$OUT/ranking_system_serving_h200.json" \
+    --overload-seconds "${OVERLOAD_SECONDS:-60}" --out "$OUT/ranking_system_serving_${TAG}.json" \
     2>&1 | grep -v Warning | tee "$OUT/serving.log" | cut -c1-300 | tail -n 40
 fi
 if has cache; then
@@ -127,13 +130,13 @@ if has cache; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_user_cache.py \
     tests/test_models.py 2>&1 | tail -n 15 | tee "$OUT/cache_gpu_tests.log"
   timeout "${CACHE_TIMEOUT:-540}" python3 -m benchmarks.ranking_system --parts serving cache \
-    --repeats 1 --out "$OUT/ranking_system_cache_h200.json" 2>&1 | grep -v Warning \
+    --repeats 1 --out "$OUT/ranking_system_cache_${TAG}.json" 2>&1 | grep -v Warning \
     | tee "$OUT/cache.log" | cut -c1-300 | tail -n 30
 fi
 if has cache_soak; then
   # Cached scores against the uncached build for SOAK_MINUTES, evicting all the time.
   timeout $(( ${SOAK_MINUTES:-5} * 60 + 240 )) python3 tools/cache_soak.py \
-    --minutes "${SOAK_MINUTES:-5}" --out "$OUT/cache_soak_h200.json" 2>&1 | tail -n 20 | cut -c1-300
+    --minutes "${SOAK_MINUTES:-5}" --out "$OUT/cache_soak_${TAG}.json" 2>&1 | tail -n 20 | cut -c1-300
 fi
 if has overload; then
   # The serving ladder (call breakdown, sustained rates), then 3x those rates over HTTP for
@@ -143,18 +146,18 @@ if has overload; then
   timeout "${OVERLOAD_TIMEOUT:-540}" python3 -m benchmarks.ranking_system \
     ${SUSTAINED:+--sustained $SUSTAINED} --parts $parts \
     --repeats 1 --client-processes "${CLIENT_PROCESSES:-8}" \
-    --overload-seconds "${OVERLOAD_SECONDS:-60}" --out "$OUT/ranking_system_overload_h200.json" \
+    --overload-seconds "${OVERLOAD_SECONDS:-60}" --out "$OUT/ranking_system_overload_${TAG}.json" \
     2>&1 | grep -v Warning | tee "$OUT/overload.log" | cut -c1-400 | tail -n 12
 fi
 if has rewrite; then
-  timeout 300 python3 -m benchmarks.rewrite --out "$OUT/rewrite_h200.json" 2>&1 \
+  timeout 300 python3 -m benchmarks.rewrite --out "$OUT/rewrite_${TAG}.json" 2>&1 \
     | grep -v Warning | cut -c1-400 | tail -n 8
 fi
 if has fuzz; then
   # The rewrite's property test, long profile, on the host's CPU cores (FUZZ_MINUTES).
   JAX_PLATFORMS=cpu timeout $(( ${FUZZ_MINUTES:-4} * 60 + 90 )) python3 tools/rewrite_fuzz.py \
     --seeds "${FUZZ_SEEDS:-0:400}" --per-seed 50 --processes "${FUZZ_PROCESSES:-14}" \
-    --minutes "${FUZZ_MINUTES:-4}" --out "$OUT/rewrite_fuzz_h200_host.json" 2>&1 | tail -n 3
+    --minutes "${FUZZ_MINUTES:-4}" --out "$OUT/rewrite_fuzz_${TAG}_host.json" 2>&1 | tail -n 3
 fi
 if has rewrite_tests; then
   # The rewrite's tests with the GPU's kernels behind the ops it emits.
