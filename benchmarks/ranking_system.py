@@ -120,6 +120,8 @@ def main() -> None:
                       help="what to measure")
   parser.add_argument("--overload-factor", type=float, default=3.0,
                       help="overload: offered rate as a multiple of the sustained one")
+  parser.add_argument("--overload-pool", type=int, default=2000,
+                      help="overload: distinct requests the clients cycle through")
   parser.add_argument("--overload-seconds", type=float, help="default 60, --small 2")
   parser.add_argument("--sustained", type=float, nargs=2, metavar=("IKBO", "STANDARD"),
                       help="overload without the serving part: the builds' sustained rates "
@@ -168,10 +170,12 @@ def main() -> None:
     seconds = args.overload_seconds or (2.0 if args.small else 60.0)
     gen = ClickGenerator(config, seed=4, mean_candidates=mean,
                          max_candidates=int(4 * mean))
+    # A pool the clients cycle through: a minute's distinct bodies would not fit in memory.
+    top = args.overload_factor * max(sustained.values()) * seconds
+    trace = serving_trace(gen, min(args.overload_pool, int(top) + 1))
     payload["overload"] = {}
     for build in BUILDS:
       qps = args.overload_factor * sustained[build]
-      trace = serving_trace(gen, int(qps * seconds) + 1)
       # The deadline is three quarters of the budget (the rest is for the call that answers),
       # the queue bound what the server drains in that time at its sustained rate: what
       # would be answered too late is refused instead.

@@ -193,6 +193,8 @@ def overload(preset: str, build: str, requests, qps: float, seconds: float, proc
              mean_candidates: float, server_args: list[str]) -> dict:
   """The HTTP server (`python -m ikbo_jax.serving`, its own process) offered `qps` for `seconds`.
 
+  `requests` is a pool the clients cycle through for the whole run.
+
   `server_args` go to the server's command line (its queue bound and deadline).
   Reports what the clients saw (answers, refusals by status, resets and timeouts by
   type, latency), what the server counted, and how long its SIGTERM drain took.
@@ -204,9 +206,11 @@ def overload(preset: str, build: str, requests, qps: float, seconds: float, proc
       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   url = f"http://127.0.0.1:{port}"
   try:
+    started = time.perf_counter()
     _wait_ready(url, 900)
+    print(f"overload {build}: server ready in {time.perf_counter() - started:.0f} s", flush=True)
     stats = http_load.over_http(url, requests, qps=qps, max_seconds=seconds,
-                                processes=processes)
+                                processes=processes, cycle=True)
     stats.update(_server_metrics(url))
     start = time.perf_counter()
     server.send_signal(signal.SIGTERM)

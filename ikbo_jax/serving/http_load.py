@@ -5,6 +5,9 @@ One Python process with one event loop tops out well below a server's rate
 serialized once, dealt round robin to `processes` spawned clients, and each
 client sends its share at `qps / processes` Poisson arrivals over up to
 `connections` connections; their tallies merge into one set of percentiles.
+With `cycle`, a bounded pool of requests stands for a longer trace: each
+client sends its share over and over until `max_seconds` (a minute at ten
+thousand requests a second is too many distinct bodies to hold).
 Statuses other than 200 are counted by status, connection failures by type.
 """
 
@@ -31,15 +34,18 @@ def body(request: Request) -> bytes:
 
 
 def over_http(url: str, requests: Sequence[Request], *, qps: float, max_seconds: float = 60.0,
-              processes: int = 1, connections: int = 256) -> dict:
-  """Latency stats of `requests` sent to `url` at `qps`, from `processes` processes."""
-  if not (processes >= 1 and connections >= 1 and qps > 0):
-    raise ValueError(f"need processes >= 1, connections >= 1 and qps > 0, got {processes}, "
-                     f"{connections}, {qps}")
+              processes: int = 1, connections: int = 256, cycle: bool = False) -> dict:
+  """Latency stats of `requests` sent to `url` at `qps`, from `processes` processes.
+
+  Each request goes once, or with `cycle` over and over until `max_seconds`.
+  """
+  if not (processes >= 1 and connections >= 1 and qps > 0 and len(requests) >= processes):
+    raise ValueError(f"need processes >= 1, connections >= 1, qps > 0 and a request per "
+                     f"process, got {processes}, {connections}, {qps}, {len(requests)} requests")
   bodies = [body(r) for r in requests]
   counts = [r.num_candidates for r in requests]
-  shares = [(url, bodies[p::processes], counts[p::processes], qps / processes, max_seconds,
-             connections, p) for p in range(processes)]
+  shares = [(url, *_share(bodies, counts, p, processes, qps * max_seconds if cycle else 0),
+             qps / processes, max_seconds, connections, p) for p in range(processes)]
   if processes == 1:
     return summarize([_client(*shares[0])], qps)
   # Spawned, not forked: the parent may hold jax's threads.
@@ -47,6 +53,19 @@ def over_http(url: str, requests: Sequence[Request], *, qps: float, max_seconds:
   with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
     tallies = list(pool.map(_client, *zip(*shares)))
   return summarize(tallies, qps)
+
+
+def _share(bodies: list[bytes], counts: list[int], p: int, processes: int,
+           arrivals: float) -> tuple[list[bytes], list[int]]:
+  """Client `p`'s bodies and candidate counts, repeated to outlast `arrivals` Poisson sends.
+
+  The repeats are references to the same bytes: pickling them to the client is cheap.
+  """
+  mine, mine_counts = bodies[p::processes], counts[p::processes]
+  expected = arrivals / processes
+  # Ten standard deviations past the expected number of arrivals: never runs short.
+  repeats = -(-int(expected + 10 * expected**0.5 + 1) // len(mine))
+  return mine * max(repeats, 1), mine_counts * max(repeats, 1)
 
 
 def _client(url: str, bodies: list[bytes], counts: list[int], qps: float, max_seconds: float,
