@@ -13,9 +13,11 @@ user side and candidate side apart.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -177,16 +179,21 @@ def _server_metrics(url: str) -> dict:
   return dict(refused=refused, server_p99_ms_at_most=1e3 * p99, server_answered=total)
 
 
-def _wait_ready(url: str, seconds: float) -> None:
+def _wait_ready(url: str, server: subprocess.Popen, log, seconds: float) -> None:
+  """Until the server says ready; its log's tail in the error if it exits or never does."""
   deadline = time.time() + seconds
-  while time.time() < deadline:
+  while time.time() < deadline and server.poll() is None:
     try:
       if httpx.get(f"{url}/health/ready", timeout=5).status_code == 200:
         return
     except httpx.HTTPError:
       pass
     time.sleep(0.2)
-  raise RuntimeError(f"the server at {url} did not get ready in {seconds:.0f} s")
+  log.seek(0)
+  tail = log.read()[-3000:].decode(errors="replace")
+  state = (f"exited with {server.returncode}" if server.poll() is not None
+           else f"was not ready in {seconds:.0f} s")
+  raise RuntimeError(f"the server at {url} {state}; its log ends:\n{tail}")
 
 
 def overload(preset: str, build: str, requests, qps: float, seconds: float, processes: int,
@@ -200,14 +207,18 @@ def overload(preset: str, build: str, requests, qps: float, seconds: float, proc
   type, latency), what the server counted, and how long its SIGTERM drain took.
   """
   port = loopback.free_port()
+  # This process already holds the device: XLA's default is to take 75% of its memory up
+  # front, which leaves the server too little to start.
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  log = tempfile.TemporaryFile()
   server = subprocess.Popen(
       [sys.executable, "-m", "ikbo_jax.serving", "--preset", preset, "--build", build,
        "--port", str(port), "--mean-candidates", str(mean_candidates), *server_args],
-      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+      stdout=log, stderr=subprocess.STDOUT, env=env)
   url = f"http://127.0.0.1:{port}"
   try:
     started = time.perf_counter()
-    _wait_ready(url, 900)
+    _wait_ready(url, server, log, 900)
     print(f"overload {build}: server ready in {time.perf_counter() - started:.0f} s", flush=True)
     stats = http_load.over_http(url, requests, qps=qps, max_seconds=seconds,
                                 processes=processes, cycle=True)
@@ -220,6 +231,7 @@ def overload(preset: str, build: str, requests, qps: float, seconds: float, proc
   finally:
     if server.poll() is None:
       server.kill()
+    log.close()
   print(f"overload {build} at {qps:.0f}/s (sent {stats['sent_qps']:.0f}/s): "
         f"{stats['answered']} answered, "
         f"{stats['errors_by_kind']}; p99 {stats['p99_ms']:.1f} ms (server <= "
