@@ -8,7 +8,8 @@
 # "serving" (checkpoint cost, the serving ladder three times, a profiler trace under load),
 # "cache" (the serving ladder once, then the user-state cache at two budgets),
 # "cache_soak" (tools/cache_soak.py for SOAK_MINUTES),
-# "overload" (the serving ladder, then 3x the sustained rates over HTTP: refusals, resets, p99),
+# "overload" (the serving ladder REPEATS times, default 3, then 3x the sustained rates over HTTP:
+# refusals, resets, p99),
 # "rewrite" (original vs rewritten vs hand-written IKBO code), "fuzz" (the rewrite's property test
 # on the host's CPUs), "rewrite_tests" (the rewrite's tests on the GPU),
 # "backward" (the Mosaic GPU attention backward's GPU tests and regression tests, then the
@@ -145,7 +146,7 @@ if has overload; then
   parts="serving overload"; [ -n "${SUSTAINED:-}" ] && parts="overload"
   timeout "${OVERLOAD_TIMEOUT:-540}" python3 -m benchmarks.ranking_system \
     ${SUSTAINED:+--sustained $SUSTAINED} --parts $parts \
-    --repeats 1 --client-processes "${CLIENT_PROCESSES:-8}" \
+    --repeats "${REPEATS:-3}" --client-processes "${CLIENT_PROCESSES:-8}" \
     --overload-seconds "${OVERLOAD_SECONDS:-60}" --out "$OUT/ranking_system_overload_${TAG}.json" \
     2>&1 | grep -v Warning | tee "$OUT/overload.log" | cut -c1-400 | tail -n 12
 fi

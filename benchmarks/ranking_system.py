@@ -30,6 +30,7 @@ wall clock, end to end, apart from its device times).
 from __future__ import annotations
 
 import argparse
+import os
 
 import jax
 import optax
@@ -172,7 +173,8 @@ def main() -> None:
                          max_candidates=int(4 * mean))
     # A pool the clients cycle through: a minute's distinct bodies would not fit in memory.
     top = args.overload_factor * max(sustained.values()) * seconds
-    trace = serving_trace(gen, min(args.overload_pool, int(top) + 1))
+    trace = serving_trace(gen, min(args.overload_pool, int(top) + 1),
+                          processes=os.cpu_count())
     payload["overload"] = {}
     for build in BUILDS:
       qps = args.overload_factor * sustained[build]

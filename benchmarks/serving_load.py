@@ -129,7 +129,7 @@ def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
   # Each rate sends at least `requests_per_rate` requests and at least `seconds_per_rate`
   # of traffic, so that a high rate's p99 rests on as many samples as a low rate's.
   count = lambda rate: max(requests_per_rate, int(rate * seconds_per_rate))
-  requests = serving_trace(gen, count(max(rates)))
+  requests = serving_trace(gen, count(max(rates)), processes=os.cpu_count())
   buckets = default_buckets(config, mean_candidates=mean_candidates, count=num_buckets)
   out = dict(budget_p99_ms=budget_ms, mean_candidates=mean_candidates,
              max_in_flight=max_in_flight, trace="serving_trace (Zipf users)",
@@ -286,7 +286,7 @@ def cache_serving(model, config, mean_candidates, rates, budget_ms, requests_per
   gen = ClickGenerator(config, seed=3, mean_candidates=mean_candidates,
                        max_candidates=int(4 * mean_candidates))
   count = lambda rate: max(requests_per_rate, int(rate * seconds_per_rate))
-  requests = serving_trace(gen, count(max(rates)))
+  requests = serving_trace(gen, count(max(rates)), processes=os.cpu_count())
   buckets = default_buckets(config, mean_candidates=mean_candidates, count=num_buckets)
   out = dict(bytes_per_user=user_state_bytes(model),
              distinct_users=len({user_key(r.validated(config)) for r in requests}))

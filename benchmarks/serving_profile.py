@@ -114,7 +114,7 @@ def main() -> None:
                          default_buckets(config, mean_candidates=mean), "ikbo")
   requests = serving_trace(ClickGenerator(config, seed=3, mean_candidates=mean,
                                           max_candidates=int(4 * mean)),
-                           int(args.qps * args.seconds) + 64)
+                           int(args.qps * args.seconds) + 64, processes=os.cpu_count())
   with tempfile.TemporaryDirectory() as trace_dir:
     stats = asyncio.run(_profiled_load(served, requests, args.qps, args.seconds, trace_dir,
                                        args.python_tracer))

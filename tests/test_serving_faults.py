@@ -308,6 +308,18 @@ def test_a_serving_trace_brings_popular_users_back():
   assert max(r.num_candidates for r in trace) > 3 * np.median([r.num_candidates for r in trace])
 
 
+def test_a_serving_trace_drawn_in_processes_is_the_same_trace():
+  gen = ClickGenerator(CONFIG, seed=5, mean_candidates=4, max_candidates=40)
+  serial = serving_trace(gen, 200, num_users=100, large_share=0.1)
+  spread = serving_trace(gen, 200, num_users=100, large_share=0.1, processes=2)
+  fields = ("user_dense", "history", "cand_items", "cand_dense")
+  assert len(serial) == len(spread) == 200
+  assert all(np.array_equal(getattr(a, f), getattr(b, f)) for a, b in zip(serial, spread)
+             for f in fields)
+  with pytest.raises(ValueError, match="processes"):
+    serving_trace(gen, 10, processes=0)
+
+
 def test_a_model_that_fails_to_start_is_never_ready_and_not_live():
   def build():
     raise RuntimeError("a smoke request got non-finite scores")

@@ -42,7 +42,7 @@ def _batches(config, mean: float, seed: int, count: int, changed_share: float):
   rng = np.random.default_rng(seed)
   trace = [r.validated(config) for r in serving_trace(
       ClickGenerator(config, seed=seed, mean_candidates=mean, max_candidates=int(2 * mean)),
-      count, num_users=2000, seed=seed)]
+      count, num_users=2000, seed=seed, processes=os.cpu_count())]
   for i in np.flatnonzero(rng.random(count) < changed_share):
     trace[i] = dataclasses.replace(trace[i], history=trace[i].history[::-1].copy())
   start = 0
