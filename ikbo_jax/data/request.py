@@ -62,7 +62,7 @@ def _floats(name: str, value, shape: tuple[int, ...]) -> np.ndarray:
   x = _array(name, value)
   if x.shape != shape:
     raise RequestError(f"{name} must have shape {shape}, got {x.shape}")
-  if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
+  if x.dtype.kind not in "fiu":  # floats and (unsigned) integers; not bool or complex
     raise RequestError(f"{name} must be numbers, got dtype {x.dtype}")
   x = x.astype(np.float32)
   if not np.isfinite(x).all():
@@ -77,10 +77,10 @@ def _item_ids(name: str, value, num_items: int) -> np.ndarray:
     raise RequestError(f"{name} must be a list of item ids (rank 1), got shape {x.shape}")
   if x.size == 0:
     return x.astype(np.int32)
-  if not np.issubdtype(x.dtype, np.integer):
+  if x.dtype.kind not in "iu":
     raise RequestError(f"{name} must be integer item ids, got dtype {x.dtype}")
-  bad = (x < 0) | (x >= num_items)
-  if bad.any():
+  if x.min() < 0 or x.max() >= num_items:
+    bad = (x < 0) | (x >= num_items)
     raise RequestError(f"{name} holds unknown item ids {x[bad][:5].tolist()}: ids must lie in "
                        f"[0, num_items={num_items})")
   return x.astype(np.int32)

@@ -177,6 +177,8 @@ class Batcher:
                        f"{config.max_queued_candidates}); retry later")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (timeout_ms or config.default_timeout_ms) / 1e3
+    if len(pieces) == 1:
+      return await self._enqueue(request, deadline)
     futures = [self._enqueue(piece, deadline) for piece in pieces]
     try:
       return np.concatenate(await asyncio.gather(*futures))
@@ -230,6 +232,7 @@ class Batcher:
     while True:
       await self._free_slots.acquire()  # while none is free, the queue keeps filling
       batch = [await self._next_request(None)]
+      size = _BatchSize.of(batch[0].request)
       # A batch waits for others only while another is with the model: an idle model's
       # wait would delay this batch and help none.
       deadline = loop.time() + self.config.batch_timeout_ms / 1e3
@@ -237,11 +240,13 @@ class Batcher:
         pending = await self._next_request(max(deadline - loop.time(), 0), until_idle=True)
         if pending is None:
           break
-        if self.model.bucket_for([p.request for p in batch + [pending]]) is None:
+        grown = size.plus(pending.request)
+        if not grown.fits_some(self.model.buckets):
           self._queue.appendleft(pending)  # opens the next batch
           self.queued_candidates += pending.request.num_candidates
           break
         batch.append(pending)
+        size = grown
       # The batch waited for a slot and for others: its requests' deadlines may have passed.
       now = loop.time()
       live = []
@@ -283,6 +288,28 @@ class Batcher:
     for p, s in zip(batch, scores):
       if not p.future.done():
         p.future.set_result(s)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BatchSize:
+  """What a batch needs of a bucket, kept as the batch grows (not summed again per request)."""
+
+  users: int
+  candidates: int
+  history: int
+
+  @classmethod
+  def of(cls, request: Request) -> _BatchSize:
+    return cls(1, request.num_candidates, len(request.history))
+
+  def plus(self, request: Request) -> _BatchSize:
+    return _BatchSize(self.users + 1, self.candidates + request.num_candidates,
+                      max(self.history, len(request.history)))
+
+  def fits_some(self, buckets: Sequence[Bucket]) -> bool:
+    """Whether a bucket holds the batch (what `Bucket.fits` says of its requests)."""
+    return any(self.users <= b.num_users and self.candidates <= b.num_candidates
+               and self.history <= b.history_slots for b in buckets)
 
 
 def _split(request: Request, max_candidates: int) -> list[Request]:
