@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -31,7 +32,7 @@ class Request:
   cand_dense: np.ndarray
   labels: np.ndarray | None = None
 
-  @property
+  @functools.cached_property  # asked several times per request on the serving path
   def num_candidates(self) -> int:
     return int(np.shape(self.cand_items)[0]) if np.ndim(self.cand_items) == 1 else 0
 
