@@ -6,6 +6,7 @@
 # sweep and the regression tests, failures in full), "soak" (tools/soak.py for SOAK_MINUTES),
 # "system" (the ranking system benchmark and the main job at the benchmark preset),
 # "serving" (checkpoint cost, the serving ladder three times, a profiler trace under load),
+# "host_path" (variants of a call's transfer, execution and fetch),
 # "cache" (the serving ladder once, then the user-state cache at two budgets),
 # "cache_soak" (tools/cache_soak.py for SOAK_MINUTES),
 # "overload" (the serving ladder REPEATS times, default 3, then 3x the sustained rates over HTTP:
@@ -124,6 +125,11 @@ if has serving_overload; then
     --parts checkpoint serving overload --client-processes "${CLIENT_PROCESSES:-8}" \
     --overload-seconds "${OVERLOAD_SECONDS:-60}" --out "$OUT/ranking_system_serving_${TAG}.json" \
     2>&1 | grep -v Warning | tee "$OUT/serving.log" | cut -c1-300 | tail -n 40
+fi
+if has host_path; then
+  # Variants of one call's transfer, execution and fetch (benchmarks/host_path.py).
+  timeout 200 python3 -m benchmarks.host_path --out "$OUT/host_path_${TAG}.json" 2>&1 \
+    | grep -v Warning | tail -n 3 | cut -c1-600
 fi
 if has cache; then
   # The user-state cache: its GPU tests, the uncached builds' ladder once, then the cached
