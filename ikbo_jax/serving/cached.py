@@ -41,6 +41,7 @@ from ikbo_jax.index import CandidateIndex
 from ikbo_jax.models import Build, Ranker
 from ikbo_jax.serving.buckets import (Bucket, bucket_holding, checked_buckets, per_request,
                                      smallest_fitting)
+from ikbo_jax.serving.precast import jit_hoisted
 from ikbo_jax.serving.transfer import FlatLayout
 from ikbo_jax.serving.user_cache import SlotTable, user_key
 
@@ -66,9 +67,8 @@ class CachedModel:
     self.config = model.config
     self.buckets = checked_buckets(buckets, model.config)
     graphdef, params = nnx.split(model)
-    self._graphdef = graphdef
     self._placement = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-    self._params = jax.device_put(params, self._placement)
+    params = jax.device_put(params, self._placement)
     row = _one_user_state(model)
     self.bytes_per_user = _nbytes(row)
     users = self.largest.num_users
@@ -82,13 +82,16 @@ class CachedModel:
         lambda x: jnp.zeros((capacity, *x.shape[1:]), x.dtype, device=self._placement), row)
     self._table = self._empty_table()
     self._lock = threading.Lock()
-    compile_step = functools.partial(_compile, graphdef, self._params, self._table,
-                                     on_compiled=on_compiled)
+    compile_step = functools.partial(_compile, graphdef, params, self._table,
+                                     on_compiled=on_compiled, casts={})
+    # Each step's parameters are bound to it (cast once where it only reads them cast).
     self._writers = {m: compile_step(f"user side, {m} new users", _write_users,
-                                     self._writer_layout(m), donate=True)
+                                     self._writer_layout(m), donate=True)[0]
                      for m in _powers_of_two_to(users)}
-    self._readers = {b: compile_step(f"candidate side, {b}", _score_candidates,
-                                     self._reader_layout(b)) for b in self.buckets}
+    readers = {b: compile_step(f"candidate side, {b}", _score_candidates,
+                               self._reader_layout(b)) for b in self.buckets}
+    self._readers = {b: compiled for b, (compiled, _) in readers.items()}
+    self._traceable_readers = {b: jitted for b, (_, jitted) in readers.items()}
 
   @property
   def largest(self) -> Bucket:
@@ -113,7 +116,7 @@ class CachedModel:
           self._table = self._write(requests, placement.misses)
         candidates = jax.device_put(self._pack_candidates(bucket, requests, placement.slots),
                                     self._placement)
-        probabilities = self._readers[bucket](self._params, self._table, candidates)
+        probabilities = self._readers[bucket](self._table, candidates)
       except BaseException:
         self._forget_all()  # a failed step may have consumed the donated table
         raise
@@ -139,9 +142,7 @@ class CachedModel:
       flat = jax.device_put(self._pack_candidates(bucket, requests, placement.slots),
                             self._placement)
       table = self._table
-    step = jax.jit(functools.partial(_score_candidates, self._graphdef,
-                                     self._reader_layout(bucket)))
-    return functools.partial(step, self._params, table), flat
+    return functools.partial(self._traceable_readers[bucket], table), flat
 
   def report(self) -> dict:
     """The table's size and use: what `GET /cache` and the metrics show."""
@@ -179,7 +180,7 @@ class CachedModel:
     views["slots"][:len(misses)] = [slot for _, slot in misses]
     pack_users([requests[r] for r, _ in misses], views["user_dense"], views["history"],
                views["history_len"])
-    return self._writers[m](self._params, self._table, jax.device_put(flat, self._placement))
+    return self._writers[m](self._table, jax.device_put(flat, self._placement))
 
   def _pack_candidates(self, bucket: Bucket, requests: Sequence[Request],
                        slots: np.ndarray) -> np.ndarray:
@@ -223,15 +224,18 @@ def _score_candidates(graphdef, layout: FlatLayout, params, table, flat):
 
 
 def _compile(graphdef, params, table, name: str, step, layout: FlatLayout, *, on_compiled,
-             donate: bool = False):
-  """`step(graphdef, layout, params, table, flat)` compiled for this layout's flat buffer."""
+             casts: dict, donate: bool = False) -> tuple[Callable, Callable]:
+  """`step(graphdef, layout, params, table, flat)` for this layout's flat buffer, as
+  `fn(table, flat)`: compiled, and jitted (traceable by a profiler). The parameters
+  are bound, cast once where the step only reads them cast (`precast`, sharing `casts`)."""
   start = time.perf_counter()
   flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-  compiled = jax.jit(functools.partial(step, graphdef, layout),
-                     donate_argnums=(1,) if donate else ()).lower(params, table, flat).compile()
+  jitted, leaves = jit_hoisted(functools.partial(step, graphdef, layout), params, table, flat,
+                               cache=casts, donate_argnums=(1,) if donate else ())
+  compiled = jitted.lower(leaves, table, flat).compile()
   if on_compiled is not None:
     on_compiled(name, time.perf_counter() - start)
-  return compiled
+  return functools.partial(compiled, leaves), functools.partial(jitted, leaves)
 
 
 def _powers_of_two_to(n: int) -> list[int]:
