@@ -111,12 +111,17 @@ fi
 if has serving; then
   # In process: what checkpointing costs training, the serving ladder (call breakdown, device
   # time, single requests, sustained rates three times), then a profiler trace under load.
-  timeout "${SERVING_TIMEOUT:-420}" python3 -m benchmarks.ranking_system --parts checkpoint serving \
+  # SERVING_PARTS="serving" leaves out the checkpoint cost, PROFILE_QPS=0 the profile.
+  timeout "${SERVING_TIMEOUT:-420}" python3 -m benchmarks.ranking_system \
+    --parts ${SERVING_PARTS:-checkpoint serving} \
     --out "$OUT/ranking_system_serving_${TAG}.json" 2>&1 | grep -v Warning \
     | tee "$OUT/serving.log" | cut -c1-300 | tail -n 40
-  timeout 150 python3 -m benchmarks.serving_profile --qps "${PROFILE_QPS:-2000}" \
-    --out "$OUT/serving_profile_${TAG}.json" --trace-dir /tmp/serving_trace 2>&1 | grep -v Warning | tail -n 4
-  gzip -c /tmp/serving_trace/*.xplane.pb > "$OUT/serving_profile_${TAG}.xplane.pb.gz"
+  if [ "${PROFILE_QPS:-2000}" != 0 ]; then
+    timeout 150 python3 -m benchmarks.serving_profile --qps "${PROFILE_QPS:-2000}" \
+      --out "$OUT/serving_profile_${TAG}.json" --trace-dir /tmp/serving_trace 2>&1 \
+      | grep -v Warning | tail -n 4
+    gzip -c /tmp/serving_trace/*.xplane.pb > "$OUT/serving_profile_${TAG}.xplane.pb.gz"
+  fi
 fi
 if has serving_overload; then
   # The serving step's ladder (three runs) and checkpoint cost, then 3x the sustained rates

@@ -143,23 +143,29 @@ def main() -> None:
   budget_ms = args.budget_ms or (100.0 if args.small else 20.0)
   model = Ranker(config, rngs=nnx.Rngs(0))
   payload = dict(**common.metadata(), config=str(config), iterations=args.iterations)
+
+  def record(part: str, result) -> None:
+    # Written after every part: a run cut short by its time limit keeps what it measured.
+    payload[part] = result
+    common.write_json(args.out, payload)
+
   if "inference" in args.parts:
-    payload["inference"] = inference(model, config, sizes, ratios, args.iterations)
+    record("inference", inference(model, config, sizes, ratios, args.iterations))
   if "training" in args.parts:
-    payload["training"] = training(config, *train_at, args.iterations)
+    record("training", training(config, *train_at, args.iterations))
   if "checkpoint" in args.parts:
-    payload["checkpoint"] = checkpoint_cost(config, *train_at, small=args.small)
+    record("checkpoint", checkpoint_cost(config, *train_at, small=args.small))
   if "serving" in args.parts:
-    payload["serving"] = serving(model, config, mean, rates, budget_ms, args.requests_per_rate,
-                                 args.seconds_per_rate, args.buckets, args.max_in_flight,
-                                 args.repeats)
+    record("serving", serving(model, config, mean, rates, budget_ms, args.requests_per_rate,
+                              args.seconds_per_rate, args.buckets, args.max_in_flight,
+                              args.repeats))
   if "cache" in args.parts:
-    payload["split"] = split_device_time(model, config, (256, 1024) if not args.small else (64,),
-                                         (10, 70) if not args.small else (8,), args.iterations)
+    record("split", split_device_time(model, config, (256, 1024) if not args.small else (64,),
+                                      (10, 70) if not args.small else (8,), args.iterations))
     budgets = args.cache_mb or ((1.0, 8.0) if args.small else (512.0, 8192.0))
-    payload["cache"] = cache_serving(model, config, mean, rates, budget_ms,
-                                     args.requests_per_rate, args.seconds_per_rate, args.buckets,
-                                     args.max_in_flight, budgets)
+    record("cache", cache_serving(model, config, mean, rates, budget_ms, args.requests_per_rate,
+                                  args.seconds_per_rate, args.buckets, args.max_in_flight,
+                                  budgets))
   if "overload" in args.parts:
     # Past the rate each build sustained: measured by the serving part, or given.
     if "serving" in payload:
@@ -168,27 +174,31 @@ def main() -> None:
       sustained = dict(zip(BUILDS, args.sustained))
     else:
       parser.error("the overload part needs the serving part or --sustained")
-    seconds = args.overload_seconds or (2.0 if args.small else 60.0)
-    gen = ClickGenerator(config, seed=4, mean_candidates=mean,
-                         max_candidates=int(4 * mean))
-    # A pool the clients cycle through: a minute's distinct bodies would not fit in memory.
-    top = args.overload_factor * max(sustained.values()) * seconds
-    trace = serving_trace(gen, min(args.overload_pool, int(top) + 1),
-                          processes=os.cpu_count())
     payload["overload"] = {}
-    for build in BUILDS:
-      qps = args.overload_factor * sustained[build]
-      # The deadline is three quarters of the budget (the rest is for the call that answers),
-      # the queue bound what the server drains in that time at its sustained rate: what
-      # would be answered too late is refused instead.
-      wait_ms = 0.75 * budget_ms
-      queue = max(int(sustained[build] * mean * wait_ms / 1e3), int(8 * mean))
-      server_args = ["--max-queued-candidates", str(queue), "--timeout-ms", str(wait_ms)]
-      payload["overload"][build] = dict(sustained_qps=sustained[build], **overload(
-          "small" if args.small else "benchmark", build, trace, qps, seconds,
-          args.client_processes or (1 if args.small else 4), mean, server_args))
+    for build, result in _overload(args, config, mean, budget_ms, sustained):
+      payload["overload"][build] = result
+      record("overload", payload["overload"])
   common.write_json(args.out, payload)
 
+
+def _overload(args, config, mean: float, budget_ms: float, sustained: dict):
+  """(build, its overload run) for each build, at `--overload-factor` times its sustained rate."""
+  seconds = args.overload_seconds or (2.0 if args.small else 60.0)
+  gen = ClickGenerator(config, seed=4, mean_candidates=mean, max_candidates=int(4 * mean))
+  # A pool the clients cycle through: a minute's distinct bodies would not fit in memory.
+  top = args.overload_factor * max(sustained.values()) * seconds
+  trace = serving_trace(gen, min(args.overload_pool, int(top) + 1), processes=os.cpu_count())
+  for build in BUILDS:
+    qps = args.overload_factor * sustained[build]
+    # The deadline is three quarters of the budget (the rest is for the call that answers),
+    # the queue bound what the server drains in that time at its sustained rate: what
+    # would be answered too late is refused instead.
+    wait_ms = 0.75 * budget_ms
+    queue = max(int(sustained[build] * mean * wait_ms / 1e3), int(8 * mean))
+    server_args = ["--max-queued-candidates", str(queue), "--timeout-ms", str(wait_ms)]
+    yield build, dict(sustained_qps=sustained[build], **overload(
+        "small" if args.small else "benchmark", build, trace, qps, seconds,
+        args.client_processes or (1 if args.small else 4), mean, server_args))
 
 if __name__ == "__main__":
   main()
