@@ -23,6 +23,7 @@ import time
 import httpx
 import jax
 import numpy as np
+import uvloop
 from prometheus_client import parser
 
 from benchmarks import common
@@ -100,7 +101,7 @@ def sustained_rate(served, requests, rates, budget_ms, count, max_in_flight,
   runs = []
 
   def holds(rate: float) -> bool:
-    stats = asyncio.run(_load(served, requests[:count(rate)], rate, max_in_flight))
+    stats = uvloop.run(_load(served, requests[:count(rate)], rate, max_in_flight))
     runs.append(stats)
     print(f"  {rate:.0f}/s: p99 {stats['p99_ms']:.1f} ms, answered {stats['achieved_qps']:.0f}/s"
           f", sent {stats['sent_qps']:.0f}/s", flush=True)
@@ -141,7 +142,7 @@ def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
                  "full_batch": call_breakdown(served, full, 100)}
     # What the device alone would allow: full batches back to back.
     device_bound = len(full) / (breakdown["full_batch"]["device"] / 1e3)
-    single = asyncio.run(_single_requests(served, requests[:300]))
+    single = uvloop.run(_single_requests(served, requests[:300]))
     print(f"{build}: one request {breakdown['one_request']['whole_call']:.2f} ms a call "
           f"(device {breakdown['one_request']['device']:.3f}), p50 {single['p50_ms']:.2f} ms "
           f"through the batcher; full batch {breakdown['full_batch']['whole_call']:.2f} ms "
@@ -298,7 +299,7 @@ def cache_serving(model, config, mean_candidates, rates, budget_ms, requests_per
     # timed apart at the same padded shapes, and against the uncached build's device time.
     hit_ms, timer = common.median_ms(*cached.device_call(full), iterations=50)
     cached.flush()
-    single = asyncio.run(_single_requests(cached, requests[:300]))
+    single = uvloop.run(_single_requests(cached, requests[:300]))
     cached.flush()
     rate, ladder = sustained_rate(cached, requests, rates, budget_ms, count, max_in_flight)
     report = cached.report()

@@ -21,6 +21,7 @@ import shutil
 import tempfile
 
 import jax
+import uvloop
 from flax import nnx
 from jax.profiler import ProfileData, ProfileOptions
 
@@ -116,7 +117,7 @@ def main() -> None:
                                           max_candidates=int(4 * mean)),
                            int(args.qps * args.seconds) + 64, processes=os.cpu_count())
   with tempfile.TemporaryDirectory() as trace_dir:
-    stats = asyncio.run(_profiled_load(served, requests, args.qps, args.seconds, trace_dir,
+    stats = uvloop.run(_profiled_load(served, requests, args.qps, args.seconds, trace_dir,
                                        args.python_tracer))
     xplane = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
     summary = summarize(xplane)

@@ -13,7 +13,6 @@ Statuses other than 200 are counted by status, connection failures by type.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import json
 import multiprocessing
@@ -21,6 +20,7 @@ from collections.abc import Sequence
 
 import httpx
 import numpy as np
+import uvloop
 
 from ikbo_jax.data import Request, RequestError
 from ikbo_jax.serving.load import Refused, Tally, drive, summarize
@@ -89,4 +89,4 @@ def _client(url: str, bodies: list[bytes], counts: list[int], qps: float, max_se
       return await drive(send, bodies, qps=qps, candidates=counts, seed=seed,
                          max_seconds=max_seconds)
 
-  return asyncio.run(run())
+  return uvloop.run(run())

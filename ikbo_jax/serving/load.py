@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import httpx
 import numpy as np
+import uvloop
 
 from ikbo_jax.data import Request, RequestError
 from ikbo_jax.models import Build, Ranker
@@ -156,7 +157,7 @@ def compare_builds(model: Ranker, requests: Sequence[Request], *, qps: float,
     compile_s = time.perf_counter() - start
     print(f"  compiled in {compile_s:.1f} s; sending {len(requests)} requests at {qps:.0f}/s",
           flush=True)
-    results[build] = asyncio.run(_serve_load(served, list(requests), batching, qps, max_seconds))
+    results[build] = uvloop.run(_serve_load(served, list(requests), batching, qps, max_seconds))
     results[build].update(compile_seconds=compile_s,
                           buckets=[(b.num_candidates, b.num_users, b.history_slots)
                                    for b in served.buckets])
