@@ -87,7 +87,7 @@ def hoist_casts(fn: Callable, params, *args) -> Hoisted:
   invars, casts, dropped, renamed = list(jaxpr.invars), [], set(), {}
   for position, v in enumerate(jaxpr.invars[:count]):
     cast = _only_cast(uses[v], v in outputs)
-    casts.append(None if cast is None else dict(uses[v][0].params))
+    casts.append(None if cast is None else dict(cast))
     if cast is not None:
       # The first cast's result stands for the parameter: every cast is the same one.
       invars[position] = uses[v][0].outvars[0]
