@@ -117,11 +117,7 @@ class Ranker(nnx.Module):
     the two parts match `__call__` to rounding, not bit for bit.
     """
     seq, user_tokens = self._user_embeddings(history, user_dense)
-    block = self.sequence
-    k, v = block.key(seq), block.value(seq)
-    new_seq = block.user_out(_attention(block.user_query(seq), k, v, history_len,
-                                        causal=self.config.causal))
-    pooled = _masked_mean(seq + new_seq, history_len)
+    k, v, pooled = self._self_attended(seq, history_len)
     return UserState(keys=k, values=v, history_len=history_len,
                      e_user=jnp.concatenate([user_tokens, pooled[:, None]], axis=1))
 
@@ -145,18 +141,23 @@ class Ranker(nnx.Module):
     history_len = copy(batch.history_len)
     seq, user_tokens = self._user_embeddings(copy(batch.history), copy(batch.user_dense))
     item, cand_tokens, queries = self._candidate_embeddings(batch.cand_items, batch.cand_dense)
+    k, v, pooled = self._self_attended(seq, history_len)
     block = self.sequence
-    k, v = block.key(seq), block.value(seq)
-    new_seq = block.user_out(_attention(block.user_query(seq), k, v, history_len,
-                                        causal=self.config.causal))
     cand_repr = block.cand_out(_attention(block.cand_query(queries), k, v, history_len,
                                           causal=False))
-    pooled = _masked_mean(seq + new_seq, history_len)
     stack = jnp.concatenate([user_tokens, pooled[:, None], item[:, None], cand_tokens,
                              cand_repr], axis=1)
     # `nnx.Linear(K_user + K_cand -> M)` over the stacking axis, with the joint weight.
     weight = jnp.concatenate([self.compress.w_user[...], self.compress.w_cand[...]], axis=1)
     return self._logits(jnp.einsum("mk,bkn->bmn", weight.astype(stack.dtype), stack))
+
+  def _self_attended(self, seq, history_len):
+    """The history's self-attention on its own: its keys, values and the pooled sequence."""
+    block = self.sequence
+    k, v = block.key(seq), block.value(seq)
+    new_seq = block.user_out(_attention(block.user_query(seq), k, v, history_len,
+                                        causal=self.config.causal))
+    return k, v, _masked_mean(seq + new_seq, history_len)
 
   def _user_embeddings(self, history, user_dense):
     c = self.config

@@ -307,9 +307,7 @@ class _BatchSize:
                       max(self.history, len(request.history)))
 
   def fits_some(self, buckets: Sequence[Bucket]) -> bool:
-    """Whether a bucket holds the batch (what `Bucket.fits` says of its requests)."""
-    return any(self.users <= b.num_users and self.candidates <= b.num_candidates
-               and self.history <= b.history_slots for b in buckets)
+    return any(b.holds(self.users, self.candidates, self.history) for b in buckets)
 
 
 def _split(request: Request, max_candidates: int) -> list[Request]:

@@ -40,9 +40,13 @@ class Bucket:
   history_slots: int
 
   def fits(self, requests: Sequence[Request]) -> bool:
-    return (len(requests) <= self.num_users
-            and sum(r.num_candidates for r in requests) <= self.num_candidates
-            and max(len(r.history) for r in requests) <= self.history_slots)
+    return self.holds(len(requests), sum(r.num_candidates for r in requests),
+                      max(len(r.history) for r in requests))
+
+  def holds(self, num_users: int, num_candidates: int, history: int) -> bool:
+    """Whether a batch of these totals (its longest history) fits this bucket."""
+    return (num_users <= self.num_users and num_candidates <= self.num_candidates
+            and history <= self.history_slots)
 
 
 def default_buckets(config: RankerConfig, *, max_batch_requests: int = 16,
