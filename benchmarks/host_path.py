@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import common
+from benchmarks.serving_load import full_batch
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.models import Ranker, RankerConfig
@@ -88,9 +89,7 @@ def main():
   requests = [r.validated(config) for r in requests]
   buckets = default_buckets(config, mean_candidates=mean)
   served = BucketedModel(Ranker(config, rngs=nnx.Rngs(0)), buckets, "ikbo")
-  largest = served.largest
-  full = next(requests[:n] for n in range(largest.num_users, 0, -1)
-              if largest.fits(requests[:n]))
+  full = full_batch(requests, buckets)
   one = jax.jit(lambda x: x + 1)
   payload = dict(**common.metadata(), config=str(config), iterations=args.iterations,
                  floor=_median_ms(lambda: np.asarray(one(np.float32(1))), args.iterations),

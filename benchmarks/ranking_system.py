@@ -39,7 +39,8 @@ from flax import nnx
 from benchmarks import common
 from benchmarks.checkpoint_cost import checkpoint_cost
 from benchmarks.problems import ranking_batch
-from benchmarks.serving_load import BUILDS, cache_serving, overload, serving, split_device_time
+from benchmarks.serving_load import (BUILDS, Ladder, cache_serving, overload, serving,
+                                     split_device_time)
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.models import Ranker, RankerConfig
@@ -155,17 +156,17 @@ def main() -> None:
     record("training", training(config, *train_at, args.iterations))
   if "checkpoint" in args.parts:
     record("checkpoint", checkpoint_cost(config, *train_at, small=args.small))
+  if {"serving", "cache"} & set(args.parts):
+    ladder = Ladder.draw(config, mean, rates, args.requests_per_rate, args.seconds_per_rate)
   if "serving" in args.parts:
-    record("serving", serving(model, config, mean, rates, budget_ms, args.requests_per_rate,
-                              args.seconds_per_rate, args.buckets, args.max_in_flight,
-                              args.repeats))
+    record("serving", serving(model, config, ladder, budget_ms, args.buckets,
+                              args.max_in_flight, args.repeats))
   if "cache" in args.parts:
     record("split", split_device_time(model, config, (256, 1024) if not args.small else (64,),
                                       (10, 70) if not args.small else (8,), args.iterations))
     budgets = args.cache_mb or ((1.0, 8.0) if args.small else (512.0, 8192.0))
-    record("cache", cache_serving(model, config, mean, rates, budget_ms, args.requests_per_rate,
-                                  args.seconds_per_rate, args.buckets, args.max_in_flight,
-                                  budgets))
+    record("cache", cache_serving(model, config, ladder, budget_ms, args.buckets,
+                                  args.max_in_flight, budgets))
   if "overload" in args.parts:
     # Past the rate each build sustained: measured by the serving part, or given.
     if "serving" in payload:

@@ -13,6 +13,7 @@ user side and candidate side apart.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -64,7 +65,7 @@ def call_breakdown(served, requests, iterations: int) -> dict:
   return row
 
 
-def _full_batch(requests, buckets):
+def full_batch(requests, buckets):
   """A full batch: the longest prefix of the trace that the largest bucket holds."""
   largest = max(buckets)
   return next(requests[:n] for n in range(largest.num_users, 0, -1)
@@ -91,7 +92,7 @@ async def _load(served, requests, rate, max_in_flight):
     return await run_load(batcher.score, requests, qps=rate, max_seconds=30.0)
 
 
-def sustained_rate(served, requests, rates, budget_ms, count, max_in_flight,
+def sustained_rate(served, ladder: Ladder, budget_ms, max_in_flight,
                    refinements: int = 2) -> tuple[float, list[dict]]:
   """The highest rate held at p99 <= budget with >= 90% answered: the ladder, then bisection.
 
@@ -101,7 +102,7 @@ def sustained_rate(served, requests, rates, budget_ms, count, max_in_flight,
   runs = []
 
   def holds(rate: float) -> bool:
-    stats = uvloop.run(_load(served, requests[:count(rate)], rate, max_in_flight))
+    stats = uvloop.run(_load(served, ladder.requests[:ladder.count(rate)], rate, max_in_flight))
     runs.append(stats)
     print(f"  {rate:.0f}/s: p99 {stats['p99_ms']:.1f} ms, answered {stats['achieved_qps']:.0f}/s"
           f", sent {stats['sent_qps']:.0f}/s", flush=True)
@@ -109,7 +110,7 @@ def sustained_rate(served, requests, rates, budget_ms, count, max_in_flight,
             and stats["sent_qps"] >= 0.95 * stats["offered_qps"])
 
   held, failed = 0.0, None
-  for rate in rates:
+  for rate in ladder.rates:
     if not holds(rate):
       failed = rate
       break
@@ -123,19 +124,41 @@ def sustained_rate(served, requests, rates, budget_ms, count, max_in_flight,
   return held, runs
 
 
-def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
-            seconds_per_rate, num_buckets, max_in_flight, repeats: int = 3) -> dict:
-  gen = ClickGenerator(config, seed=3, mean_candidates=mean_candidates,
-                       max_candidates=int(4 * mean_candidates))
-  # Each rate sends at least `requests_per_rate` requests and at least `seconds_per_rate`
-  # of traffic, so that a high rate's p99 rests on as many samples as a low rate's.
-  count = lambda rate: max(requests_per_rate, int(rate * seconds_per_rate))
-  requests = serving_trace(gen, count(max(rates)), processes=os.cpu_count())
+@dataclasses.dataclass(frozen=True)
+class Ladder:
+  """The rates a sustained-rate run tries, and the trace they send (drawn once per run).
+
+  Each rate sends at least `requests_per_rate` requests and at least `seconds_per_rate`
+  of traffic, so that a high rate's p99 rests on as many samples as a low rate's.
+  """
+
+  requests: list
+  rates: tuple[float, ...]
+  mean_candidates: float
+  requests_per_rate: int
+  seconds_per_rate: float
+
+  @classmethod
+  def draw(cls, config, mean_candidates: float, rates, requests_per_rate: int,
+           seconds_per_rate: float) -> Ladder:
+    gen = ClickGenerator(config, seed=3, mean_candidates=mean_candidates,
+                         max_candidates=int(4 * mean_candidates))
+    ladder = cls([], tuple(rates), mean_candidates, requests_per_rate, seconds_per_rate)
+    return dataclasses.replace(ladder, requests=serving_trace(
+        gen, ladder.count(max(rates)), processes=os.cpu_count()))
+
+  def count(self, rate: float) -> int:
+    return max(self.requests_per_rate, int(rate * self.seconds_per_rate))
+
+
+def serving(model, config, ladder: Ladder, budget_ms, num_buckets, max_in_flight,
+            repeats: int = 3) -> dict:
+  requests, mean_candidates = ladder.requests, ladder.mean_candidates
   buckets = default_buckets(config, mean_candidates=mean_candidates, count=num_buckets)
   out = dict(budget_p99_ms=budget_ms, mean_candidates=mean_candidates,
              max_in_flight=max_in_flight, trace="serving_trace (Zipf users)",
              buckets=[(b.num_candidates, b.num_users, b.history_slots) for b in buckets])
-  full = _full_batch(requests, buckets)
+  full = full_batch(requests, buckets)
   for build in BUILDS:
     served = BucketedModel(model, buckets, build)
     breakdown = {"one_request": call_breakdown(served, requests[:1], 100),
@@ -150,14 +173,14 @@ def serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
           flush=True)
     held = []
     for repeat in range(repeats):
-      rate, ladder = sustained_rate(served, requests, rates, budget_ms, count, max_in_flight)
-      held.append(dict(sustained_qps=rate, ladder=ladder))
+      rate, runs = sustained_rate(served, ladder, budget_ms, max_in_flight)
+      held.append(dict(sustained_qps=rate, ladder=runs))
       print(f"serving {build}, run {repeat + 1}: sustained {rate:.0f}/s", flush=True)
     rates_held = [h["sustained_qps"] for h in held]
     median = float(np.median(rates_held))
     # The first run's rates in order (bisection tries rates between the ladder's): the plot.
-    ladder = sorted(held[0]["ladder"], key=lambda stats: stats["offered_qps"])
-    out[build] = dict(sustained_qps=median, ladder=ladder, runs=held, breakdown=breakdown,
+    first = sorted(held[0]["ladder"], key=lambda stats: stats["offered_qps"])
+    out[build] = dict(sustained_qps=median, ladder=first, runs=held, breakdown=breakdown,
                       single_request=single, device_bound_qps=device_bound,
                       sustained_fraction_of_device_bound=median / device_bound,
                       spread_of_runs=(max(rates_held) - min(rates_held)) / max(median, 1e-9))
@@ -254,7 +277,7 @@ def split_device_time(model, config, sizes, ratios, iterations: int) -> dict:
 
 def _sides_apart(model, config, buckets, requests) -> dict:
   """Device ms of a full batch's user side, candidate side and whole IKBO build, apart."""
-  largest, full = max(buckets), _full_batch(requests, buckets)
+  largest, full = max(buckets), full_batch(requests, buckets)
   batch = jax.device_put(pack_requests([r.validated(config) for r in full], config,
                                        num_users=largest.num_users,
                                        num_candidates=largest.num_candidates,
@@ -278,21 +301,18 @@ def _sides(model, batch, iterations: int = 50) -> dict:
   return row
 
 
-def cache_serving(model, config, mean_candidates, rates, budget_ms, requests_per_rate,
-                  seconds_per_rate, num_buckets, max_in_flight, budgets_mb) -> dict:
+def cache_serving(model, config, ladder: Ladder, budget_ms, num_buckets, max_in_flight,
+                  budgets_mb) -> dict:
   """The Zipf trace through `CachedModel` at each cache budget: hit rate, latency, sustained rate.
 
-  The uncached builds' numbers come from `serving` in the same run.
+  The uncached builds' numbers come from `serving` in the same run, on the same `ladder`.
   """
-  gen = ClickGenerator(config, seed=3, mean_candidates=mean_candidates,
-                       max_candidates=int(4 * mean_candidates))
-  count = lambda rate: max(requests_per_rate, int(rate * seconds_per_rate))
-  requests = serving_trace(gen, count(max(rates)), processes=os.cpu_count())
-  buckets = default_buckets(config, mean_candidates=mean_candidates, count=num_buckets)
+  requests = ladder.requests
+  buckets = default_buckets(config, mean_candidates=ladder.mean_candidates, count=num_buckets)
   out = dict(bytes_per_user=user_state_bytes(model),
              distinct_users=len({user_key(r.validated(config)) for r in requests}))
   out["full_batch"] = _sides_apart(model, config, buckets, requests)
-  full = _full_batch(requests, buckets)
+  full = full_batch(requests, buckets)
   for mb in budgets_mb:
     cached = CachedModel(model, buckets, cache_bytes=int(mb * 2**20))
     # A full batch whose users all hit costs its candidate side alone: against that side
@@ -301,10 +321,10 @@ def cache_serving(model, config, mean_candidates, rates, budget_ms, requests_per
     cached.flush()
     single = uvloop.run(_single_requests(cached, requests[:300]))
     cached.flush()
-    rate, ladder = sustained_rate(cached, requests, rates, budget_ms, count, max_in_flight)
+    rate, runs = sustained_rate(cached, ladder, budget_ms, max_in_flight)
     report = cached.report()
     out[f"{mb}MB"] = dict(capacity=cached.capacity, single_request=single, sustained_qps=rate,
-                          ladder=ladder, cache=report, full_batch_all_hits_ms=hit_ms,
+                          ladder=runs, cache=report, full_batch_all_hits_ms=hit_ms,
                           timer=timer)
     print(f"cache {mb} MB ({cached.capacity} users): hit rate {report['hit_rate']:.2f}, "
           f"single p50 {single['p50_ms']:.2f} ms, sustained {rate:.0f}/s", flush=True)
