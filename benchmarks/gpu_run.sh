@@ -123,14 +123,6 @@ if has serving; then
     gzip -c /tmp/serving_trace/*.xplane.pb > "$OUT/serving_profile_${TAG}.xplane.pb.gz"
   fi
 fi
-if has serving_overload; then
-  # The serving step's ladder (three runs) and checkpoint cost, then 3x the sustained rates
-  # over HTTP, in one call.
-  timeout "${OVERLOAD_TIMEOUT:-560}" python3 -m benchmarks.ranking_system \
-    --parts checkpoint serving overload --client-processes "${CLIENT_PROCESSES:-8}" \
-    --overload-seconds "${OVERLOAD_SECONDS:-60}" --out "$OUT/ranking_system_serving_${TAG}.json" \
-    2>&1 | grep -v Warning | tee "$OUT/serving.log" | cut -c1-300 | tail -n 40
-fi
 if has host_path; then
   # Variants of one call's transfer, execution and fetch (benchmarks/host_path.py).
   timeout 200 python3 -m benchmarks.host_path --out "$OUT/host_path_${TAG}.json" 2>&1 \
