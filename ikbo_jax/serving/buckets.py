@@ -135,8 +135,22 @@ class BucketedModel:
           functools.partial(probabilities, layout), state, flat, cache=casts)
       self._executables[bucket] = self._jitted[bucket].lower(self._params[bucket],
                                                              flat).compile()
+      self._run_padding(bucket)
       if on_compiled is not None:
         on_compiled(bucket, time.perf_counter() - start)
+
+  def _run_padding(self, bucket: Bucket) -> None:
+    """Runs the bucket's program once on a batch of padding, waiting for it.
+
+    A program's first run costs more than the next ones (~12 ms on a CPU, a
+    second on a slow one): paid here, it never lands on a request.
+    """
+    flat, views = self._layouts[bucket].host_buffer()
+    pack_requests([], self.config, num_users=bucket.num_users,
+                  num_candidates=bucket.num_candidates, history_slots=bucket.history_slots,
+                  out=views)
+    jax.block_until_ready(self._executables[bucket](self._params[bucket],
+                                                    jax.device_put(flat, self._placement)))
 
   @property
   def largest(self) -> Bucket:

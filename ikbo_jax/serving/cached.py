@@ -92,6 +92,19 @@ class CachedModel:
                                self._reader_layout(b)) for b in self.buckets}
     self._readers = {b: compiled for b, (compiled, _) in readers.items()}
     self._traceable_readers = {b: jitted for b, (_, jitted) in readers.items()}
+    self._run_padding()
+
+  def _run_padding(self) -> None:
+    """Runs every compiled step once on padding (a program's first run costs more than
+    the next ones: paid here, it never lands on a request). Padding users' slots are
+    out of range, so the writers leave the table as it is."""
+    for m, writer in self._writers.items():
+      flat, views = self._writer_layout(m).host_views()
+      views["slots"][:] = self.capacity
+      self._table = writer(self._table, jax.device_put(flat, self._placement))
+    for bucket, reader in self._readers.items():
+      flat = self._pack_candidates(bucket, [], np.zeros(0, np.int32))
+      jax.block_until_ready(reader(self._table, jax.device_put(flat, self._placement)))
 
   @property
   def largest(self) -> Bucket:
