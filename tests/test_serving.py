@@ -163,7 +163,8 @@ def test_http_endpoint_over_loopback(ranker, served):
     assert client.post("/score", content=b"{not json",
                        headers={"content-type": "application/json"}).status_code == 400
     missing = client.post("/score", json={"history": []})
-    assert missing.status_code == 400 and "missing ['user_dense'" in missing.json()["error"]
+    assert missing.status_code == 400
+    assert "missing required field `user_dense`" in missing.json()["error"]
 
 
 def test_load_generator_reports_percentiles():

@@ -23,7 +23,7 @@ from ikbo_jax.models import Build, RankerConfig
 from ikbo_jax.serving import Batcher, BatchingConfig, Bucket, http_load
 from ikbo_jax.serving.batcher import DeadlineExceeded, Overloaded
 from ikbo_jax.serving.http import HttpLimits, create_app
-from ikbo_jax.serving.protocol import guarded_h11
+from ikbo_jax.serving.protocol import guarded_http
 from ikbo_jax.testing import loopback
 
 CONFIG = RankerConfig(num_items=300, max_history=16)
@@ -145,6 +145,9 @@ def test_bad_clients_get_a_status_and_no_traceback(caplog):
     assert post(content=b'{"user_dense": [' + b"9" * 5000 + b"]}",
                 headers=json_type).status_code == 400
     assert post(content=b'{"user_dense": [NaN]}', headers=json_type).status_code == 400
+    for history, named in (([1.5], "`$.history[0]`"), ([2**64 - 1], "history")):
+      wrong = post(json={**body, "history": history})
+      assert wrong.status_code == 400 and named in wrong.json()["error"], wrong.text
     nan = post(json={**body, "cand_items": [299] + body["cand_items"][1:]})
     assert nan.status_code == 422 and "not finite" in nan.json()["error"]
     assert post(json=body, headers={"x-timeout-ms": "soon"}).status_code == 400
@@ -253,7 +256,7 @@ def test_a_client_that_stops_sending_its_body_gets_408():
 @pytest.mark.parametrize("drip", [False, True], ids=["idle", "one_byte_at_a_time"])
 def test_a_connection_without_a_request_head_is_closed(drip):
   app = create_app(SlowScorer(0.0))
-  with loopback.serving(app, http=guarded_h11(0.4)) as served_at:
+  with loopback.serving(app, http=guarded_http(0.4)) as served_at:
     host, port = served_at.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as conn:
       start = time.perf_counter()

@@ -92,7 +92,7 @@ def _serve(args, parser) -> None:
   from ikbo_jax.serving.cached import CachedModel, user_state_bytes
   from ikbo_jax.serving.devices import DeviceSet
   from ikbo_jax.serving.http import HttpLimits, create_app
-  from ikbo_jax.serving.protocol import guarded_h11
+  from ikbo_jax.serving.protocol import guarded_http
 
   config = PRESETS[args.preset]()
   if not 1 <= args.devices <= len(jax.local_devices()):
@@ -147,7 +147,7 @@ def _serve(args, parser) -> None:
                             default_timeout_ms=args.timeout_ms)
   app = create_app(build_model, batching, HttpLimits(max_body_bytes=args.max_body_bytes,
                                                          max_active=args.max_active))
-  uvicorn.run(app, host=args.host, port=args.port, http=guarded_h11(args.head_seconds),
+  uvicorn.run(app, host=args.host, port=args.port, http=guarded_http(args.head_seconds),
               backlog=args.backlog,
               limit_concurrency=args.max_connections, timeout_keep_alive=args.idle_seconds,
               timeout_graceful_shutdown=args.drain_seconds)

