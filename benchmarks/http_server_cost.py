@@ -6,7 +6,8 @@ Starts the server (`serving.http.create_app` under uvicorn with the command
 line's protocol) in its own process around a null scorer: it packs each batch
 into the bucket's host buffer like `BucketedModel` and answers zeros, so no
 model time hides the host's. One client process then sends bodies of the
-preset's request trace with `--concurrency` requests outstanding, and the
+preset's request trace (`--content-type`, JSON or msgpack) with `--concurrency`
+requests outstanding, and the
 server's CPU time (user + system, from /proc) over the run divided by the
 requests answered is its cost per request: the rate one server process can
 take at most is its inverse. Linux only (/proc).
@@ -32,7 +33,7 @@ from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.models import Build, RankerConfig
 from ikbo_jax.serving.buckets import bucket_holding, default_buckets, smallest_fitting
-from ikbo_jax.serving.http_load import body
+from ikbo_jax.serving import bodies
 from ikbo_jax.serving.transfer import FlatLayout
 from ikbo_jax.testing import loopback
 
@@ -82,16 +83,16 @@ def _cpu_seconds(pid: int) -> float:
   return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _send_all(url: str, bodies: list[bytes], count: int, concurrency: int,
-                    server_pid: int) -> dict:
+async def _send_all(url: str, payloads: list[bytes], content_type: str, count: int,
+                    concurrency: int, server_pid: int) -> dict:
   limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
   async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
     outstanding, statuses = asyncio.Semaphore(concurrency), {}
 
     async def one(i: int) -> None:
       async with outstanding:
-        response = await client.post("/score", content=bodies[i % len(bodies)],
-                                     headers={"content-type": "application/json"})
+        response = await client.post("/score", content=payloads[i % len(payloads)],
+                                     headers={"content-type": content_type})
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
 
     await asyncio.gather(*(one(i) for i in range(min(count, 200))))  # warm, off the clock
@@ -122,6 +123,7 @@ def main() -> None:
   parser.add_argument("--small", action="store_true", help="the CPU default model's requests")
   parser.add_argument("--requests", type=int, default=2000)
   parser.add_argument("--concurrency", type=int, default=16)
+  parser.add_argument("--content-type", choices=bodies.CONTENT_TYPES, default=bodies.JSON)
   parser.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.serve:
@@ -131,20 +133,21 @@ def main() -> None:
   config, mean = _config(args.small)
   trace = serving_trace(ClickGenerator(config, seed=3, mean_candidates=mean,
                                        max_candidates=int(4 * mean)), 200)
-  bodies = [body(r) for r in trace]
+  payloads = [bodies.encode(r, args.content_type) for r in trace]
   port = loopback.free_port()
   server = subprocess.Popen([sys.executable, "-m", "benchmarks.http_server_cost",
                              "--serve", str(port), *(["--small"] if args.small else [])])
   url = f"http://127.0.0.1:{port}"
   try:
     _wait_ready(url, server)
-    row = uvloop.run(_send_all(url, bodies, args.requests, args.concurrency, server.pid))
+    row = uvloop.run(_send_all(url, payloads, args.content_type, args.requests,
+                               args.concurrency, server.pid))
   finally:
     server.send_signal(signal.SIGTERM)
     server.wait(timeout=60)
-  row.update(mean_body_bytes=float(np.mean([len(b) for b in bodies])),
-             concurrency=args.concurrency, cpus=os.cpu_count())
-  print(f"{row['requests']} requests {row['statuses']}, bodies of {row['mean_body_bytes']:.0f} "
+  row.update(content_type=args.content_type, mean_body_bytes=float(np.mean(
+      [len(p) for p in payloads])), concurrency=args.concurrency, cpus=os.cpu_count())
+  print(f"{row['requests']} requests {row['statuses']}, {args.content_type} bodies of {row['mean_body_bytes']:.0f} "
         f"bytes: server CPU {row['server_cpu_ms_per_request']:.3f} ms per request (at most "
         f"{row['server_ceiling_per_s']:.0f}/s per process), {row['rate']:.0f}/s here", flush=True)
   common.write_json(args.out, dict(**common.metadata(), config=str(config), **row))

@@ -21,7 +21,7 @@ Each measurement for both builds in the same run:
    device time of the user side and the candidate side apart;
 6. overload: the HTTP server in its own process offered `--overload-factor`
    times the sustained rate for `--overload-seconds` from several client
-   processes: answers, refusals by status, resets by type, client and server
+   processes (msgpack bodies unless `--content-type` says JSON): answers, refusals by status, resets by type, client and server
    p99, and the SIGTERM drain time.
 Times are medians (CUPTI kernel time on a GPU, wall clock elsewhere; serving is
 wall clock, end to end, apart from its device times).
@@ -44,6 +44,7 @@ from benchmarks.serving_load import (BUILDS, Ladder, cache_serving, overload, se
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.models import Ranker, RankerConfig
+from ikbo_jax.serving import bodies
 from ikbo_jax.training import trainer
 
 
@@ -128,6 +129,9 @@ def main() -> None:
   parser.add_argument("--sustained", type=float, nargs=2, metavar=("IKBO", "STANDARD"),
                       help="overload without the serving part: the builds' sustained rates "
                            "(from an earlier run) that the factor multiplies")
+  parser.add_argument("--content-type", choices=bodies.CONTENT_TYPES, default=bodies.MSGPACK,
+                      help="overload: the bodies the clients send (msgpack: raw arrays, the "
+                           "server's fast path)")
   parser.add_argument("--client-processes", type=int,
                       help="overload: load generator processes (default 4, --small 1)")
   parser.add_argument("--out", required=True)
@@ -199,7 +203,8 @@ def _overload(args, config, mean: float, budget_ms: float, sustained: dict):
     server_args = ["--max-queued-candidates", str(queue), "--timeout-ms", str(wait_ms)]
     yield build, dict(sustained_qps=sustained[build], **overload(
         "small" if args.small else "benchmark", build, trace, qps, seconds,
-        args.client_processes or (1 if args.small else 4), mean, server_args))
+        args.client_processes or (1 if args.small else 4), mean, server_args,
+        args.content_type))
 
 if __name__ == "__main__":
   main()

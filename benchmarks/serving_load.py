@@ -221,12 +221,13 @@ def _wait_ready(url: str, server: subprocess.Popen, log, seconds: float) -> None
 
 
 def overload(preset: str, build: str, requests, qps: float, seconds: float, processes: int,
-             mean_candidates: float, server_args: list[str]) -> dict:
+             mean_candidates: float, server_args: list[str], content_type: str) -> dict:
   """The HTTP server (`python -m ikbo_jax.serving`, its own process) offered `qps` for `seconds`.
 
   `requests` is a pool the clients cycle through for the whole run.
 
-  `server_args` go to the server's command line (its queue bound and deadline).
+  `server_args` go to the server's command line (its queue bound and deadline); the
+  bodies are of `content_type` (`ikbo_jax.serving.bodies`).
   Reports what the clients saw (answers, refusals by status, resets and timeouts by
   type, latency), what the server counted, and how long its SIGTERM drain took.
   """
@@ -245,13 +246,13 @@ def overload(preset: str, build: str, requests, qps: float, seconds: float, proc
     _wait_ready(url, server, log, 900)
     print(f"overload {build}: server ready in {time.perf_counter() - started:.0f} s", flush=True)
     stats = http_load.over_http(url, requests, qps=qps, max_seconds=seconds,
-                                processes=processes, cycle=True)
+                                processes=processes, cycle=True, content_type=content_type)
     stats.update(_server_metrics(url))
     start = time.perf_counter()
     server.send_signal(signal.SIGTERM)
     server.wait(timeout=120)
     stats["drain_seconds"] = time.perf_counter() - start
-    stats["server_args"] = server_args
+    stats.update(server_args=server_args, content_type=content_type)
   finally:
     if server.poll() is None:
       server.kill()

@@ -16,6 +16,7 @@ from ikbo_jax.data import RequestError, pack_requests
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.models import Build, Ranker, RankerConfig
 from ikbo_jax.serving import Batcher, BatchingConfig, Bucket, BucketedModel, DeviceSet, Scorer
+from ikbo_jax.serving import bodies
 from ikbo_jax.serving.http import create_app
 from ikbo_jax.serving.load import run_load
 from ikbo_jax.serving.transfer import FlatLayout
@@ -158,6 +159,9 @@ def test_http_endpoint_over_loopback(ranker, served):
     assert response.status_code == 200
     np.testing.assert_allclose(response.json()["scores"], _alone(ranker, request),
                                rtol=1e-5, atol=1e-6)
+    packed = client.post("/score", content=bodies.encode(request, bodies.MSGPACK),
+                         headers={"content-type": bodies.MSGPACK})
+    np.testing.assert_allclose(packed.json()["scores"], response.json()["scores"], rtol=1e-6)
     bad = client.post("/score", json={**body, "cand_items": [10**6]})
     assert bad.status_code == 400 and "cand_items" in bad.json()["error"]
     assert client.post("/score", content=b"{not json",

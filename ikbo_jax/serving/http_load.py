@@ -9,43 +9,39 @@ With `cycle`, a bounded pool of requests stands for a longer trace: each
 client sends its share over and over until `max_seconds` (a minute at ten
 thousand requests a second is too many distinct bodies to hold).
 Statuses other than 200 are counted by status, connection failures by type.
+Bodies are JSON or msgpack (`serving.bodies`; msgpack costs the server less).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import multiprocessing
 from collections.abc import Sequence
 
 import httpx
-import numpy as np
 import uvloop
 
 from ikbo_jax.data import Request, RequestError
+from ikbo_jax.serving import bodies
 from ikbo_jax.serving.load import Refused, Tally, drive, summarize
-
-_FIELDS = ("user_dense", "history", "cand_items", "cand_dense")
-
-
-def body(request: Request) -> bytes:
-  """The JSON body of `request` for `POST /score`."""
-  return json.dumps({f: np.asarray(getattr(request, f)).tolist() for f in _FIELDS}).encode()
 
 
 def over_http(url: str, requests: Sequence[Request], *, qps: float, max_seconds: float = 60.0,
-              processes: int = 1, connections: int = 256, cycle: bool = False) -> dict:
+              processes: int = 1, connections: int = 256, cycle: bool = False,
+              content_type: str = bodies.JSON) -> dict:
   """Latency stats of `requests` sent to `url` at `qps`, from `processes` processes.
 
-  Each request goes once, or with `cycle` over and over until `max_seconds`.
+  Each request goes once, or with `cycle` over and over until `max_seconds`, as
+  bodies of `content_type` (`serving.bodies.CONTENT_TYPES`).
   """
   if not (processes >= 1 and connections >= 1 and qps > 0 and len(requests) >= processes):
     raise ValueError(f"need processes >= 1, connections >= 1, qps > 0 and a request per "
                      f"process, got {processes}, {connections}, {qps}, {len(requests)} requests")
-  bodies = [body(r) for r in requests]
+  payloads = [bodies.encode(r, content_type) for r in requests]
   counts = [r.num_candidates for r in requests]
-  shares = [(url, *_share(bodies, counts, p, processes, qps * max_seconds if cycle else 0),
-             qps / processes, max_seconds, connections, p) for p in range(processes)]
+  shares = [(url, *_share(payloads, counts, p, processes, qps * max_seconds if cycle else 0),
+             qps / processes, max_seconds, connections, p, content_type)
+            for p in range(processes)]
   if processes == 1:
     return summarize([_client(*shares[0])], qps)
   # Spawned, not forked: the parent may hold jax's threads.
@@ -55,21 +51,21 @@ def over_http(url: str, requests: Sequence[Request], *, qps: float, max_seconds:
   return summarize(tallies, qps)
 
 
-def _share(bodies: list[bytes], counts: list[int], p: int, processes: int,
+def _share(payloads: list[bytes], counts: list[int], p: int, processes: int,
            arrivals: float) -> tuple[list[bytes], list[int]]:
   """Client `p`'s bodies and candidate counts, repeated to outlast `arrivals` Poisson sends.
 
   The repeats are references to the same bytes: pickling them to the client is cheap.
   """
-  mine, mine_counts = bodies[p::processes], counts[p::processes]
+  mine, mine_counts = payloads[p::processes], counts[p::processes]
   expected = arrivals / processes
   # Ten standard deviations past the expected number of arrivals: never runs short.
   repeats = -(-int(expected + 10 * expected**0.5 + 1) // len(mine))
   return mine * max(repeats, 1), mine_counts * max(repeats, 1)
 
 
-def _client(url: str, bodies: list[bytes], counts: list[int], qps: float, max_seconds: float,
-            connections: int, seed: int) -> Tally:
+def _client(url: str, payloads: list[bytes], counts: list[int], qps: float, max_seconds: float,
+            connections: int, seed: int, content_type: str) -> Tally:
   """One client process: its share of the requests, open loop."""
 
   async def run() -> Tally:
@@ -80,13 +76,13 @@ def _client(url: str, bodies: list[bytes], counts: list[int], qps: float, max_se
     async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=limits) as client:
       async def send(payload: bytes):
         response = await client.post("/score", content=payload,
-                                     headers={"content-type": "application/json"})
+                                     headers={"content-type": content_type})
         if response.status_code == 400:
           raise RequestError(response.json()["error"])
         if response.status_code != 200:
           raise Refused(str(response.status_code))
 
-      return await drive(send, bodies, qps=qps, candidates=counts, seed=seed,
+      return await drive(send, payloads, qps=qps, candidates=counts, seed=seed,
                          max_seconds=max_seconds)
 
   return uvloop.run(run())

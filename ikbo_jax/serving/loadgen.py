@@ -39,6 +39,8 @@ def main(argv=None) -> dict:
                       help="client processes sending over HTTP (each qps / processes)")
   parser.add_argument("--connections", type=int, default=256,
                       help="connections per client process")
+  parser.add_argument("--msgpack", action="store_true",
+                      help="send msgpack bodies of raw arrays, not JSON (ikbo_jax.serving.bodies)")
   parser.add_argument("--out", help="write the stats as JSON")
   return _run(parser.parse_args(argv))
 
@@ -50,6 +52,7 @@ def _run(args) -> dict:
   from ikbo_jax.data.synthetic import ClickGenerator
   from ikbo_jax.data.trace import serving_trace
   from ikbo_jax.models import Ranker
+  from ikbo_jax.serving.bodies import JSON, MSGPACK
   from ikbo_jax.serving.http_load import over_http
   from ikbo_jax.serving.load import compare_builds, format_row
 
@@ -59,7 +62,8 @@ def _run(args) -> dict:
   requests = serving_trace(gen, args.requests, num_users=args.users)
   if args.url:
     results = {"http": over_http(args.url, requests, qps=args.qps, max_seconds=args.max_seconds,
-                                 processes=args.processes, connections=args.connections)}
+                                 processes=args.processes, connections=args.connections,
+                                 content_type=MSGPACK if args.msgpack else JSON)}
   else:
     model = Ranker(config, rngs=nnx.Rngs(0))
     results = compare_builds(model, requests, qps=args.qps, mean_candidates=args.mean_candidates,

@@ -1,0 +1,110 @@
+"""`POST /score`'s wire formats (`serving.bodies`): every request survives both, and no body,
+however broken, gets anything but a `BodyError` or a `RequestError` naming what is wrong."""
+
+import hypothesis
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+from ikbo_jax.data import RequestError
+from ikbo_jax.data.synthetic import ClickGenerator
+from ikbo_jax.models import RankerConfig
+from ikbo_jax.serving import bodies
+
+CONFIG = RankerConfig(num_items=300, max_history=16)
+REQUESTS = ClickGenerator(CONFIG, seed=5, mean_candidates=4, max_candidates=12).requests(40)
+
+
+@pytest.mark.parametrize("content_type", bodies.CONTENT_TYPES)
+def test_every_request_comes_back_as_it_was_sent(content_type):
+  for sent in REQUESTS:
+    got = bodies.decode(content_type, bodies.encode(sent, content_type), CONFIG, 100)
+    got, sent = got.validated(CONFIG), sent.validated(CONFIG)
+    for field in bodies.FIELDS:
+      np.testing.assert_array_equal(getattr(got, field), getattr(sent, field), err_msg=field)
+
+
+def _packed(**fields) -> bytes:
+  request = bodies.encode(REQUESTS[0], bodies.MSGPACK)
+  return msgspec.msgpack.encode({**msgspec.msgpack.decode(request), **fields})
+
+
+@pytest.mark.parametrize("body, status, named", [
+    (_packed(history=b"\0" * 6), 400, "history has 6 bytes"),
+    (_packed(cand_dense=b"\0" * 4), 400, "cand_dense has 1 float32 values"),
+    (_packed(history="text"), 400, "`$.history`"),
+    (_packed(extra=b""), 400, "unknown field `extra`"),
+    (_packed(cand_items=b"\0" * 4 * 101, cand_dense=b"\0" * 4 * 101 * CONFIG.cand_dense), 413,
+     "101 candidates"),
+    (b"\xc1", 400, "not application/msgpack"),
+])
+def test_a_broken_msgpack_body_names_its_fault(body, status, named):
+  with pytest.raises(bodies.BodyError) as raised:
+    bodies.decode(bodies.MSGPACK, body, CONFIG, 100)
+  assert raised.value.status == status and named in str(raised.value), str(raised.value)
+
+
+def test_non_finite_features_in_raw_bytes_are_the_requests_error():
+  nan = np.full(CONFIG.user_dense, np.nan, np.float32).tobytes()
+  request = bodies.decode(bodies.MSGPACK, _packed(user_dense=nan), CONFIG, 100)
+  with pytest.raises(RequestError, match="user_dense must be finite"):
+    request.validated(CONFIG)
+
+
+def test_an_unknown_content_type_is_refused_when_encoding():
+  with pytest.raises(ValueError, match="content_type must be one of"):
+    bodies.encode(REQUESTS[0], "text/plain")
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner,
+                                                                max_size=3),
+    max_leaves=12)
+
+
+def _field_values(content_type: str):
+  """What a client might put in a field: anything JSON holds, or raw bytes of any length."""
+  if content_type == bodies.JSON:
+    return _JSON_VALUES | st.lists(st.integers(-5, 400), max_size=20)
+  return (st.binary(max_size=64) | st.builds(lambda n: b"\0" * n, st.integers(0, 400))
+          | _JSON_VALUES)
+
+
+def _corrupted(data, content_type: str) -> bytes:
+  """A request's body with fields replaced, dropped or added, then bytes flipped, cut or added."""
+  request = data.draw(st.sampled_from(REQUESTS))
+  encoded = bodies.encode(request, content_type)
+  codec = msgspec.json if content_type == bodies.JSON else msgspec.msgpack
+  fields = codec.decode(encoded)
+  for _ in range(data.draw(st.integers(0, 3))):
+    name = data.draw(st.sampled_from((*bodies.FIELDS, "extra")))
+    if data.draw(st.booleans()):
+      fields.pop(name, None)
+    else:
+      fields[name] = data.draw(_field_values(content_type))
+  body = bytearray(codec.encode(fields))
+  for _ in range(data.draw(st.integers(0, 2))):
+    at = data.draw(st.integers(0, max(len(body) - 1, 0)))
+    kind = data.draw(st.sampled_from(("flip", "cut", "extend")))
+    if kind == "flip" and body:
+      body[at] = data.draw(st.integers(0, 255))
+    elif kind == "cut":
+      del body[at:]
+    else:
+      body[at:at] = data.draw(st.binary(max_size=8))
+  return bytes(body)
+
+
+@hypothesis.settings(max_examples=400, deadline=None, derandomize=True)
+@hypothesis.given(content_type=st.sampled_from(bodies.CONTENT_TYPES), data=st.data())
+def test_any_corruption_of_a_body_is_a_clear_error_or_a_valid_request(content_type, data):
+  body = _corrupted(data, content_type)
+  try:
+    request = bodies.decode(content_type, body, CONFIG, 100).validated(CONFIG)
+  except (bodies.BodyError, RequestError) as e:
+    assert str(e)
+  else:  # what passes is a request the model takes
+    assert request.user_dense.shape == (CONFIG.user_dense,) and request.num_candidates >= 1
+    assert request.cand_dense.shape == (request.num_candidates, CONFIG.cand_dense)
