@@ -107,3 +107,12 @@ def test_notebook_text_source_and_ipynb_are_in_sync(name):
   stored = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
   assert [(c.cell_type, c.source) for c in text.cells] == [
       (c.cell_type, c.source) for c in stored.cells], f"run: jupytext --sync notebooks/{name}.py"
+
+
+def test_http_server_cost_measures_the_server_process(tmp_path):
+  out = tmp_path / "cost.json"
+  subprocess.run([sys.executable, "-m", "benchmarks.http_server_cost", "--small", "--requests",
+                  "100", "--content-type", "application/msgpack", "--out", str(out)],
+                 cwd=ROOT, check=True)
+  result = json.loads(out.read_text())
+  assert result["statuses"] == {"200": 100} and result["server_cpu_ms_per_request"] > 0
