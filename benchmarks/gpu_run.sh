@@ -7,6 +7,7 @@
 # "system" (the ranking system benchmark and the main job at the benchmark preset),
 # "serving" (checkpoint cost, the serving ladder three times, a profiler trace under load),
 # "host_path" (variants of a call's transfer, execution and fetch),
+# "http_cost" (the HTTP server's CPU per request on this host, JSON and msgpack bodies),
 # "cache" (the serving ladder once, then the user-state cache at two budgets),
 # "cache_soak" (tools/cache_soak.py for SOAK_MINUTES),
 # "overload" (the serving ladder REPEATS times, default 3, then 3x the sustained rates over HTTP:
@@ -123,6 +124,13 @@ if has serving; then
       | grep -v Warning | tail -n 4
     gzip -c /tmp/serving_trace/*.xplane.pb > "$OUT/serving_profile_${TAG}.xplane.pb.gz"
   fi
+fi
+if has http_cost; then
+  # The HTTP server's own CPU per request on this host's cores, JSON and msgpack bodies.
+  for type in json msgpack; do
+    timeout 120 python3 -m benchmarks.http_server_cost --content-type "application/$type" \
+      --out "$OUT/http_server_cost_${type}_${TAG}.json" 2>&1 | tail -n 1
+  done
 fi
 if has host_path; then
   # Variants of one call's transfer, execution and fetch (benchmarks/host_path.py).
