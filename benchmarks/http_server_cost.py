@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 
+import aiohttp
 import httpx
 import numpy as np
 import uvloop
@@ -85,15 +86,17 @@ def _cpu_seconds(pid: int) -> float:
 
 async def _send_all(url: str, payloads: list[bytes], content_type: str, count: int,
                     concurrency: int, server_pid: int) -> dict:
-  limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-  async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+  connector = aiohttp.TCPConnector(limit=concurrency)
+  async with aiohttp.ClientSession(url, connector=connector,
+                                   timeout=aiohttp.ClientTimeout(total=60)) as session:
     outstanding, statuses = asyncio.Semaphore(concurrency), {}
 
     async def one(i: int) -> None:
       async with outstanding:
-        response = await client.post("/score", content=payloads[i % len(payloads)],
-                                     headers={"content-type": content_type})
-        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        async with session.post("/score", data=payloads[i % len(payloads)],
+                                headers={"content-type": content_type}) as response:
+          await response.read()
+          statuses[response.status] = statuses.get(response.status, 0) + 1
 
     await asyncio.gather(*(one(i) for i in range(min(count, 200))))  # warm, off the clock
     statuses.clear()
