@@ -23,10 +23,10 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 # One compilation cache for the processes of a call (the benchmark and the servers it starts).
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}
 STEPS=${STEPS:-lc attention self_target tests demo diagnostics}
-# The device image has no starlette, uvicorn, uvloop, httptools or msgspec (serving): carry their wheels as .whl
-# (pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl starlette uvicorn
-# uvloop httptools msgspec).
-if [ -d .whl ] && ! python3 -c "import starlette, uvicorn, uvloop, httptools, msgspec" 2>/dev/null; then
+# The device image lacks the serving packages: carry their wheels as .whl (pip download
+# --no-deps --only-binary=:all: --python-version 3.12 -d .whl starlette uvicorn uvloop httptools
+# msgspec aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna).
+if [ -d .whl ] && ! python3 -c "import starlette, uvicorn, uvloop, httptools, msgspec, aiohttp" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
