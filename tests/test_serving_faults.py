@@ -8,6 +8,7 @@ be checked. The real model's answers over HTTP are `test_serving.py`'s.
 import asyncio
 import collections
 import dataclasses
+import json
 import logging
 import socket
 import threading
@@ -124,6 +125,28 @@ def test_a_request_past_its_deadline_in_the_queue_is_never_computed():
   np.testing.assert_array_equal(first, requests[0].cand_items / 1000)
   assert all(isinstance(r, DeadlineExceeded) for r in rest) and timed_out == 5
   assert [r.cand_items.tolist() for r in model.seen] == [requests[0].cand_items.tolist()]
+
+
+def test_a_request_whose_deadline_passes_while_its_body_arrives_is_never_computed():
+  model = SlowScorer(0.0)
+  payload = json.dumps(_body(_requests(1)[0])).encode()
+
+  async def slowly():  # the body in two halves, 0.3 s apart
+    yield payload[:len(payload) // 2]
+    await asyncio.sleep(0.3)
+    yield payload[len(payload) // 2:]
+
+  async def send(url, timeout_ms):
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+      return await client.post("/score", content=slowly(), headers={
+          "content-type": "application/json", "x-timeout-ms": str(timeout_ms)})
+
+  with loopback.serving(create_app(model)) as served_at:
+    late = asyncio.run(send(served_at.url, 100))
+    in_time = asyncio.run(send(served_at.url, 5000))
+  assert late.status_code == 503 and "passed while it was read" in late.json()["error"]
+  assert late.headers["retry-after"] == "1"
+  assert in_time.status_code == 200 and len(model.seen) == 1
 
 
 def test_bad_clients_get_a_status_and_no_traceback(caplog):

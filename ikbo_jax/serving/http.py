@@ -9,10 +9,11 @@
     -> 415                     its content type is neither application/json nor msgpack
     -> 422                     it is well formed but its scores are not finite (inputs overflow)
     -> 429 + Retry-After       the queue is at its bound: refused before it was queued
-    -> 503 + Retry-After       its deadline passed in the queue (never computed), or the
-                               server is still compiling
+    -> 503 + Retry-After       its deadline passed while it was read or queued (never
+                               computed), or the server is still compiling
 
-A request's deadline is the `X-Timeout-Ms` header or the batcher's default.
+A request's deadline is the `X-Timeout-Ms` header or the batcher's default, counted from
+when its handler starts (a CPU-bound server's wait is in reading and decoding bodies).
 `GET /health/live` answers while the process runs, `GET /health/ready` only once
 every bucket is compiled; `GET /health` reports the build, the buckets and the
 request fields the loaded model takes; `GET /metrics` is Prometheus' (`metrics`);
@@ -168,7 +169,7 @@ async def _score_route(http_request: HttpRequest) -> Response:
     415: {description: the content type is neither application/json nor application/msgpack}
     422: {description: the scores are not finite (inputs overflow the model)}
     429: {description: "the queue is full; see Retry-After"}
-    503: {description: "the deadline passed in the queue, or not ready; see Retry-After"}
+    503: {description: "the deadline passed while read or queued, or not ready; see Retry-After"}
   """
   state = http_request.app.state
   limits, metrics = state.limits, state.metrics
@@ -178,7 +179,7 @@ async def _score_route(http_request: HttpRequest) -> Response:
     if state.active > limits.max_active:
       raise _Refusal(429, f"{limits.max_active} requests are being served; retry later",
                      retry=True)
-    response = JSONResponse({"scores": await _score(http_request, limits)})
+    response = JSONResponse({"scores": await _score(http_request, limits, start)})
   except _Refusal as refusal:
     if refusal.status in (429, 503):
       reason = {429: "overloaded"}.get(refusal.status,
@@ -262,10 +263,13 @@ _ROUTES = [Route("/score", _score_route, methods=["POST"]),
            Route("/openapi.json", _openapi, methods=["GET"], include_in_schema=False)]
 
 
-async def _score(http_request: HttpRequest, limits: HttpLimits) -> list[float]:
+async def _score(http_request: HttpRequest, limits: HttpLimits, arrived: float) -> list[float]:
+  """The request's scores; its deadline counts from `arrived` (`time.perf_counter()`)."""
   batcher: Batcher | None = http_request.app.state.batcher
   if batcher is None:
     raise _Refusal(503, "the model is still compiling; retry later", retry=True)
+  timeout_ms = (_timeout_ms(http_request.headers.get("x-timeout-ms"))
+                or batcher.config.default_timeout_ms)
   content_type = http_request.headers.get("content-type", "").split(";")[0].strip().lower()
   if content_type not in bodies.CONTENT_TYPES:
     raise _Refusal(415, f"the content type must be one of {list(bodies.CONTENT_TYPES)}, got "
@@ -275,9 +279,14 @@ async def _score(http_request: HttpRequest, limits: HttpLimits) -> list[float]:
                             batcher.model.config, limits.max_candidates)
   except bodies.BodyError as e:
     raise _Refusal(e.status, str(e)) from None
-  timeout_ms = _timeout_ms(http_request.headers.get("x-timeout-ms"))
+  # On a CPU-bound server the wait is here, reading and decoding, before the batcher's queue:
+  # a request whose deadline passed on the way is refused, never queued.
+  left_ms = timeout_ms - 1e3 * (time.perf_counter() - arrived)
+  if left_ms <= 0:
+    raise _Refusal(503, f"the request's deadline ({timeout_ms:g} ms) passed while it was read; "
+                        "it was not computed", retry=True)
   try:
-    scores = await batcher.score(request, timeout_ms)
+    scores = await batcher.score(request, left_ms)
   except RequestError as e:
     raise _Refusal(400, str(e)) from None
   except Overloaded as e:
