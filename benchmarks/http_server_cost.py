@@ -11,6 +11,11 @@ requests outstanding, and the
 server's CPU time (user + system, from /proc) over the run divided by the
 requests answered is its cost per request: the rate one server process can
 take at most is its inverse. Linux only (/proc).
+
+With `--overload FACTOR` the same server (its deadline `--timeout-ms`) is then
+offered FACTOR times that ceiling for `--seconds` from one open-loop client of
+`--connections` connections: answers, refusals by status, resets, the
+client's p99 and the server's own for the requests it answered.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.models import Build, RankerConfig
 from ikbo_jax.serving.buckets import bucket_holding, default_buckets, smallest_fitting
-from ikbo_jax.serving import bodies
+from benchmarks.serving_load import server_metrics
+from ikbo_jax.serving import bodies, http_load
 from ikbo_jax.serving.transfer import FlatLayout
 from ikbo_jax.testing import loopback
 
@@ -69,13 +75,14 @@ def _config(small: bool) -> tuple[RankerConfig, float]:
   return (RankerConfig(), 8.0) if small else (RankerConfig.benchmark(), 70.0)
 
 
-def _serve(port: int, small: bool) -> None:
+def _serve(port: int, small: bool, timeout_ms: float) -> None:
   import uvicorn
 
+  from ikbo_jax.serving.batcher import BatchingConfig
   from ikbo_jax.serving.http import create_app
   from ikbo_jax.serving.protocol import guarded_http
 
-  app = create_app(NullScorer(*_config(small)))
+  app = create_app(NullScorer(*_config(small)), BatchingConfig(default_timeout_ms=timeout_ms))
   uvicorn.run(app, host="127.0.0.1", port=port, http=guarded_http(10.0), log_level="warning")
 
 
@@ -108,6 +115,16 @@ async def _send_all(url: str, payloads: list[bytes], content_type: str, count: i
               server_ceiling_per_s=count / cpu if cpu else None)
 
 
+def _overload(url: str, trace, args, qps: float) -> dict:
+  stats = http_load.over_http(url, trace, qps=qps, max_seconds=args.seconds, cycle=True,
+                              connections=args.connections, content_type=args.content_type)
+  stats.update(server_metrics(url))
+  print(f"offered {qps:.0f}/s (sent {stats['sent_qps']:.0f}/s) for {args.seconds:.0f} s: "
+        f"{stats['answered']} answered, {stats['errors_by_kind']}; p99 {stats['p99_ms']:.0f} ms "
+        f"(server <= {stats['server_p99_ms_at_most']:.0f} ms)", flush=True)
+  return stats
+
+
 def _wait_ready(url: str, server: subprocess.Popen) -> None:
   deadline = time.time() + 120
   while time.time() < deadline and server.poll() is None:
@@ -127,10 +144,16 @@ def main() -> None:
   parser.add_argument("--requests", type=int, default=2000)
   parser.add_argument("--concurrency", type=int, default=16)
   parser.add_argument("--content-type", choices=bodies.CONTENT_TYPES, default=bodies.JSON)
+  parser.add_argument("--overload", type=float, metavar="FACTOR",
+                      help="then offer FACTOR times the measured ceiling")
+  parser.add_argument("--seconds", type=float, default=15.0, help="overload: how long")
+  parser.add_argument("--connections", type=int, default=2000, help="overload: client's")
+  parser.add_argument("--timeout-ms", type=float, default=15.0,
+                      help="the server's request deadline")
   parser.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.serve:
-    return _serve(args.serve, args.small)
+    return _serve(args.serve, args.small, args.timeout_ms)
   if not args.out:
     parser.error("--out is required")
   config, mean = _config(args.small)
@@ -139,16 +162,19 @@ def main() -> None:
   payloads = [bodies.encode(r, args.content_type) for r in trace]
   port = loopback.free_port()
   server = subprocess.Popen([sys.executable, "-m", "benchmarks.http_server_cost",
-                             "--serve", str(port), *(["--small"] if args.small else [])])
+                             "--serve", str(port), "--timeout-ms", str(args.timeout_ms),
+                             *(["--small"] if args.small else [])])
   url = f"http://127.0.0.1:{port}"
   try:
     _wait_ready(url, server)
     row = uvloop.run(_send_all(url, payloads, args.content_type, args.requests,
                                args.concurrency, server.pid))
+    if args.overload:
+      row["overload"] = _overload(url, trace, args, args.overload * row["server_ceiling_per_s"])
   finally:
     server.send_signal(signal.SIGTERM)
     server.wait(timeout=60)
-  row.update(content_type=args.content_type, mean_body_bytes=float(np.mean(
+  row.update(timeout_ms=args.timeout_ms, content_type=args.content_type, mean_body_bytes=float(np.mean(
       [len(p) for p in payloads])), concurrency=args.concurrency, cpus=os.cpu_count())
   print(f"{row['requests']} requests {row['statuses']}, {args.content_type} bodies of {row['mean_body_bytes']:.0f} "
         f"bytes: server CPU {row['server_cpu_ms_per_request']:.3f} ms per request (at most "

@@ -188,7 +188,7 @@ def serving(model, config, ladder: Ladder, budget_ms, num_buckets, max_in_flight
   return out
 
 
-def _server_metrics(url: str) -> dict:
+def server_metrics(url: str) -> dict:
   """Refusals by reason and the server-side latency of answered requests, from /metrics."""
   families = {f.name: f for f in parser.text_string_to_metric_families(
       httpx.get(f"{url}/metrics", timeout=30).text)}
@@ -247,7 +247,7 @@ def overload(preset: str, build: str, requests, qps: float, seconds: float, proc
     print(f"overload {build}: server ready in {time.perf_counter() - started:.0f} s", flush=True)
     stats = http_load.over_http(url, requests, qps=qps, max_seconds=seconds,
                                 processes=processes, cycle=True, content_type=content_type)
-    stats.update(_server_metrics(url))
+    stats.update(server_metrics(url))
     start = time.perf_counter()
     server.send_signal(signal.SIGTERM)
     server.wait(timeout=120)
