@@ -35,6 +35,7 @@ PRODUCERS = {
     "ranking_system": "benchmarks/ranking_system.py",
     "serving_profile": "benchmarks/serving_profile.py",
     "http_server_cost": "benchmarks/http_server_cost.py (three runs each, merged by hand)",
+    "http_server_cost_overload": "benchmarks/http_server_cost.py --overload 3",
     "serving_ladder": "benchmarks/ranking_system.py --parts serving (from its log)",
     "host_path": "benchmarks/host_path.py",
     "checkpoint_cost": "benchmarks/checkpoint_cost.py (ranking_system --parts checkpoint; from its log)",
