@@ -112,7 +112,8 @@ def test_notebook_text_source_and_ipynb_are_in_sync(name):
 def test_http_server_cost_measures_the_server_process(tmp_path):
   out = tmp_path / "cost.json"
   subprocess.run([sys.executable, "-m", "benchmarks.http_server_cost", "--small", "--requests",
-                  "100", "--content-type", "application/msgpack", "--out", str(out)],
+                  "100", "--content-type", "application/msgpack", "--timeout-ms", "5000",
+                  "--out", str(out)],
                  cwd=ROOT, check=True)
   result = json.loads(out.read_text())
   assert result["statuses"] == {"200": 100} and result["server_cpu_ms_per_request"] > 0
