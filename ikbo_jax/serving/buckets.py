@@ -145,10 +145,7 @@ class BucketedModel:
     A program's first run costs more than the next ones (~12 ms on a CPU, a
     second on a slow one): paid here, it never lands on a request.
     """
-    flat, views = self._layouts[bucket].host_buffer()
-    pack_requests([], self.config, num_users=bucket.num_users,
-                  num_candidates=bucket.num_candidates, history_slots=bucket.history_slots,
-                  out=views)
+    _, flat = self._pack([], bucket)
     jax.block_until_ready(self._executables[bucket](self._params[bucket],
                                                     jax.device_put(flat, self._placement)))
 
@@ -199,14 +196,16 @@ class BucketedModel:
     stages = ("pack", "transfer", "execute", "fetch")
     return {stage: b - a for stage, a, b in zip(stages, times[:-1], times[1:])}
 
-  def _pack(self, requests: Sequence[Request]) -> tuple[Bucket, np.ndarray]:
-    """The bucket `requests` go to, and their host buffer (one flat array).
+  def _pack(self, requests: Sequence[Request],
+            bucket: Bucket | None = None) -> tuple[Bucket, np.ndarray]:
+    """The bucket `requests` go to (the smallest that holds them, unless given), and their
+    host buffer (one flat array).
 
     Each model thread packs into its own buffer per bucket, allocated once: a
     thread's next call starts after its last one fetched its scores, so the
     device has read the buffer by then.
     """
-    bucket = bucket_holding(self.buckets, requests)
+    bucket = bucket or bucket_holding(self.buckets, requests)
     if not hasattr(self._host_buffers, "by_bucket"):
       self._host_buffers.by_bucket = {}
     buffers = self._host_buffers.by_bucket

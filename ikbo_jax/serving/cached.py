@@ -99,9 +99,8 @@ class CachedModel:
     the next ones: paid here, it never lands on a request). Padding users' slots are
     out of range, so the writers leave the table as it is."""
     for m, writer in self._writers.items():
-      flat, views = self._writer_layout(m).host_views()
-      views["slots"][:] = self.capacity
-      self._table = writer(self._table, jax.device_put(flat, self._placement))
+      self._table = writer(self._table, jax.device_put(self._pack_users(m, [], []),
+                                                       self._placement))
     for bucket, reader in self._readers.items():
       flat = self._pack_candidates(bucket, [], np.zeros(0, np.int32))
       jax.block_until_ready(reader(self._table, jax.device_put(flat, self._placement)))
@@ -188,12 +187,17 @@ class CachedModel:
   def _write(self, requests: Sequence[Request], misses) -> jax.Array:
     """The table with the new users' states written into their slots."""
     m = next(n for n in self._writers if n >= len(misses))
+    flat = self._pack_users(m, requests, misses)
+    return self._writers[m](self._table, jax.device_put(flat, self._placement))
+
+  def _pack_users(self, m: int, requests: Sequence[Request], misses) -> np.ndarray:
+    """The `m`-row writer's input: each miss `(request index, slot)`'s user in its slot."""
     flat, views = self._writer_layout(m).host_views()
     views["slots"][:] = self.capacity  # padding rows: out of range, dropped
     views["slots"][:len(misses)] = [slot for _, slot in misses]
     pack_users([requests[r] for r, _ in misses], views["user_dense"], views["history"],
                views["history_len"])
-    return self._writers[m](self._table, jax.device_put(flat, self._placement))
+    return flat
 
   def _pack_candidates(self, bucket: Bucket, requests: Sequence[Request],
                        slots: np.ndarray) -> np.ndarray:
