@@ -32,6 +32,17 @@ def median_ms(fn, *args, iterations: int = 30) -> tuple[float, str]:
   return statistics.median(times), "wall"
 
 
+def wall_median_ms(step, iterations: int) -> float:
+  """Median wall-clock ms of `step()` (host work included), after one call off the clock."""
+  step()
+  times = []
+  for _ in range(iterations):
+    start = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - start)
+  return 1e3 * statistics.median(times)
+
+
 def measure_ceilings() -> dict:
   """bf16 matmul rate and device-to-device copy bandwidth, measured on this device."""
   n = 8192 if jax.default_backend() == "gpu" else 512

@@ -34,16 +34,6 @@ from ikbo_jax.serving import BucketedModel
 from ikbo_jax.serving.buckets import default_buckets
 
 
-def _median_ms(step, iterations: int) -> float:
-  step()  # off the clock
-  times = []
-  for _ in range(iterations):
-    start = time.perf_counter()
-    step()
-    times.append(time.perf_counter() - start)
-  return 1e3 * float(np.median(times))
-
-
 def variants(served: BucketedModel, requests, iterations: int) -> dict:
   fn, flat = served.device_call(requests)
   host, device = np.asarray(flat), served.device
@@ -56,14 +46,12 @@ def variants(served: BucketedModel, requests, iterations: int) -> dict:
     out.copy_to_host_async()
     np.asarray(out)
 
-  row = dict(
-      put_call_fetch=_median_ms(lambda: np.asarray(fn(jax.device_put(host, device))),
-                                iterations),
-      put_call_async_fetch=_median_ms(async_fetch, iterations),
-      numpy_call_fetch=_median_ms(lambda: np.asarray(fn(host)), iterations),
-      transfer=_median_ms(lambda: jax.block_until_ready(jax.device_put(host, device)),
-                          iterations),
-      execute=_median_ms(fresh_result, iterations))
+  wall = lambda step: common.wall_median_ms(step, iterations)
+  row = dict(put_call_fetch=wall(lambda: np.asarray(fn(jax.device_put(host, device)))),
+             put_call_async_fetch=wall(async_fetch),
+             numpy_call_fetch=wall(lambda: np.asarray(fn(host))),
+             transfer=wall(lambda: jax.block_until_ready(jax.device_put(host, device))),
+             execute=wall(fresh_result))
   times = []
   for _ in range(iterations):
     out = fresh_result()
@@ -92,7 +80,8 @@ def main():
   full = full_batch(requests, buckets)
   one = jax.jit(lambda x: x + 1)
   payload = dict(**common.metadata(), config=str(config), iterations=args.iterations,
-                 floor=_median_ms(lambda: np.asarray(one(np.float32(1))), args.iterations),
+                 floor=common.wall_median_ms(lambda: np.asarray(one(np.float32(1))),
+                                             args.iterations),
                  one_request=variants(served, requests[:1], args.iterations),
                  full_batch=variants(served, full, args.iterations))
   for name in ("one_request", "full_batch"):

@@ -26,10 +26,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import aiohttp
-import httpx
 import numpy as np
 import uvloop
 
@@ -39,7 +39,7 @@ from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.models import Build, RankerConfig
 from ikbo_jax.serving.buckets import bucket_holding, default_buckets, smallest_fitting
-from benchmarks.serving_load import server_metrics
+from benchmarks.serving_load import server_metrics, wait_ready
 from ikbo_jax.serving import bodies, http_load
 from ikbo_jax.serving.transfer import FlatLayout
 from ikbo_jax.testing import loopback
@@ -125,18 +125,6 @@ def _overload(url: str, trace, args, qps: float) -> dict:
   return stats
 
 
-def _wait_ready(url: str, server: subprocess.Popen) -> None:
-  deadline = time.time() + 120
-  while time.time() < deadline and server.poll() is None:
-    try:
-      if httpx.get(f"{url}/health/ready").status_code == 200:
-        return
-    except httpx.HTTPError:
-      pass
-    time.sleep(0.2)
-  raise RuntimeError("the server did not become ready")
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out")
@@ -161,12 +149,14 @@ def main() -> None:
                                        max_candidates=int(4 * mean)), 200)
   payloads = [bodies.encode(r, args.content_type) for r in trace]
   port = loopback.free_port()
+  log = tempfile.TemporaryFile()
   server = subprocess.Popen([sys.executable, "-m", "benchmarks.http_server_cost",
                              "--serve", str(port), "--timeout-ms", str(args.timeout_ms),
-                             *(["--small"] if args.small else [])])
+                             *(["--small"] if args.small else [])],
+                            stdout=log, stderr=subprocess.STDOUT)
   url = f"http://127.0.0.1:{port}"
   try:
-    _wait_ready(url, server)
+    wait_ready(url, server, log, 120)
     row = uvloop.run(_send_all(url, payloads, args.content_type, args.requests,
                                args.concurrency, server.pid))
     if args.overload:
@@ -174,11 +164,14 @@ def main() -> None:
   finally:
     server.send_signal(signal.SIGTERM)
     server.wait(timeout=60)
-  row.update(timeout_ms=args.timeout_ms, content_type=args.content_type, mean_body_bytes=float(np.mean(
-      [len(p) for p in payloads])), concurrency=args.concurrency, cpus=os.cpu_count())
-  print(f"{row['requests']} requests {row['statuses']}, {args.content_type} bodies of {row['mean_body_bytes']:.0f} "
-        f"bytes: server CPU {row['server_cpu_ms_per_request']:.3f} ms per request (at most "
-        f"{row['server_ceiling_per_s']:.0f}/s per process), {row['rate']:.0f}/s here", flush=True)
+    log.close()
+  row.update(timeout_ms=args.timeout_ms, content_type=args.content_type,
+             mean_body_bytes=float(np.mean([len(p) for p in payloads])),
+             concurrency=args.concurrency, cpus=os.cpu_count())
+  print(f"{row['requests']} requests {row['statuses']}, {args.content_type} bodies of "
+        f"{row['mean_body_bytes']:.0f} bytes: server CPU {row['server_cpu_ms_per_request']:.3f} "
+        f"ms per request (at most {row['server_ceiling_per_s']:.0f}/s per process), "
+        f"{row['rate']:.0f}/s here", flush=True)
   common.write_json(args.out, dict(**common.metadata(), config=str(config), **row))
 
 

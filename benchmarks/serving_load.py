@@ -52,12 +52,7 @@ def call_breakdown(served, requests, iterations: int) -> dict:
   runs = [served.call_breakdown(requests) for _ in range(iterations)]
   row = {stage: 1e3 * float(np.median([r[stage] for r in runs])) for stage in runs[0]}
   row["total"] = 1e3 * float(np.median([sum(r.values()) for r in runs]))
-  calls = []
-  for _ in range(iterations):
-    start = time.perf_counter()
-    served(requests)
-    calls.append(time.perf_counter() - start)
-  row["whole_call"] = 1e3 * float(np.median(calls))
+  row["whole_call"] = common.wall_median_ms(lambda: served(requests), iterations)
   row["device"], row["device_timer"] = common.median_ms(*served.device_call(requests),
                                                         iterations=iterations)
   row.update(requests=len(requests), candidates=sum(r.num_candidates for r in requests),
@@ -203,7 +198,7 @@ def server_metrics(url: str) -> dict:
   return dict(refused=refused, server_p99_ms_at_most=1e3 * p99, server_answered=total)
 
 
-def _wait_ready(url: str, server: subprocess.Popen, log, seconds: float) -> None:
+def wait_ready(url: str, server: subprocess.Popen, log, seconds: float) -> None:
   """Until the server says ready; its log's tail in the error if it exits or never does."""
   deadline = time.time() + seconds
   while time.time() < deadline and server.poll() is None:
@@ -243,7 +238,7 @@ def overload(preset: str, build: str, requests, qps: float, seconds: float, proc
   url = f"http://127.0.0.1:{port}"
   try:
     started = time.perf_counter()
-    _wait_ready(url, server, log, 900)
+    wait_ready(url, server, log, 900)
     print(f"overload {build}: server ready in {time.perf_counter() - started:.0f} s", flush=True)
     stats = http_load.over_http(url, requests, qps=qps, max_seconds=seconds,
                                 processes=processes, cycle=True, content_type=content_type)
