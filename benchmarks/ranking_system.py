@@ -21,8 +21,9 @@ Each measurement for both builds in the same run:
    device time of the user side and the candidate side apart;
 6. overload: the HTTP server in its own process offered `--overload-factor`
    times the sustained rate for `--overload-seconds` from several client
-   processes (msgpack bodies unless `--content-type` says JSON): answers, refusals by status, resets by type, client and server
-   p99, and the SIGTERM drain time.
+   processes (msgpack bodies unless `--content-type` says JSON): answers,
+   refusals by status, resets by type, client and server p99, and the SIGTERM
+   drain time.
 Times are medians (CUPTI kernel time on a GPU, wall clock elsewhere; serving is
 wall clock, end to end, apart from its device times).
 """
@@ -205,6 +206,7 @@ def _overload(args, config, mean: float, budget_ms: float, sustained: dict):
         "small" if args.small else "benchmark", build, trace, qps, seconds,
         args.client_processes or (1 if args.small else 4), mean, server_args,
         args.content_type))
+
 
 if __name__ == "__main__":
   main()
