@@ -16,6 +16,8 @@
 # on the host's CPUs), "rewrite_tests" (the rewrite's tests on the GPU),
 # "backward" (the Mosaic GPU attention backward's GPU tests and regression tests, then the
 # attention benchmark with its fwd_bwd/ and bwd/ rows; the step to run first once it compiles),
+# "precision" (every attention path's gradients against float64 where the softmax is one-hot or
+# peaked, and with delta taken from other sources: benchmarks/attention_precision.py),
 # "attention_tests" (the attention GPU tests only), "attention_diagnostics" and "attention_ncu" (Nsight Compute). DIAG_ARGS go to the attention diagnostics. BENCH_ARGS=--no-sweeps shortens the lc step.
 set -uo pipefail
 OUT=${OUT:-/tmp/ikbo_out}; mkdir -p "$OUT"
@@ -39,6 +41,10 @@ if has lc; then
   timeout "${BENCH_TIMEOUT:-240}" python3 -m benchmarks.linear_compression ${BENCH_ARGS:-} \
     --out "$OUT/linear_compression_${TAG}.json" > "$OUT/bench.log" 2>&1
   tail -n 13 "$OUT/bench.log"
+fi
+if has precision; then
+  timeout "${PRECISION_TIMEOUT:-240}" python3 -m benchmarks.attention_precision \
+    --out "$OUT/attention_precision_${TAG}.json" 2>&1 | grep -v Warning | cut -c1-2500
 fi
 if has backward; then
   timeout 300 python3 -m pytest -q -x -s tests/test_target_attention_mosaic.py tests/test_target_attention_backward.py \
