@@ -2,16 +2,22 @@
 
 Both kernels recompute the probabilities from the forward's log-sum-exp,
 `p = exp2(c * q k^T - lse2)` with `c = scale * log2(e)` and `lse2 = lse * log2(e)`,
-and take `delta = rowsum(out * d_out) - d_lse` from the caller, as in
-FlashAttention-2; every GEMM is a WGMMA with a float32 accumulator.
+as in FlashAttention-2, and subtract `delta = sum_j p_j dp_j - d_lse` from
+`dp = dO V^T`; every GEMM is a WGMMA with a float32 accumulator.
 
 - dq: one CTA per (packed query tile, head) of the forward (`query_tiles`).
   Each consumer warpgroup copies its 64 query rows and their output
-  cotangents in by candidate index, and their lse and delta (gathered into
-  the tiles' row order beforehand); a producer streams the user's K/V
-  blocks through shared memory with TMA; per block the consumer computes
-  `s = Q K^T`, `dp = dO V^T`, `ds = p * (dp - delta)` and `dq += ds K`, and
-  stores `scale * dq` back by candidate index.
+  cotangents in by candidate index, and their lse, FlashAttention's estimate
+  `delta0 = rowsum(out * d_out) - d_lse` and `d_lse` (gathered into the
+  tiles' row order beforehand); a producer streams the user's K/V blocks
+  through shared memory with TMA; per block the consumer computes `s = Q K^T`,
+  `dp = dO V^T`, `ds0 = p * (dp - delta0)`, `dq0 += ds0 K`, `pk += P K` and
+  the row sums of `ds0`. Those sums give the error of `delta0` (the rounding
+  of `out` to 16 bits, which would dominate `ds` where the softmax is nearly
+  one-hot; `kernels/exact_delta.py`), so
+  `dq = dq0 - error * pk` is exact to float32 rounding. The consumer stores
+  `scale * dq` back by candidate index and the exact `delta` in tile order
+  for the dk/dv kernel.
 - dk, dv: one CTA per (user, 128 keys, head); each consumer owns 64 keys in
   shared memory and walks every query block of the user's tiles (the
   producer copies them in by candidate index, the same rows the forward
@@ -37,6 +43,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ikbo_jax.kernels.exact_delta import delta_error
+from ikbo_jax.kernels.mosaic_gpu import inline
 from ikbo_jax.kernels.mosaic_gpu.attention_gemms import accumulate_pv
 from ikbo_jax.kernels.mosaic_gpu.common import (
     NUM_CONSUMERS, PRODUCER_REGISTERS, interpret_params, smem_transforms)
@@ -79,6 +87,27 @@ def _accumulate(acc, a, b_smem, interpret: bool):
                        interpret=interpret)
 
 
+def _accumulate_both(accs, lhs, b_smem, interpret: bool):
+  """`tuple(acc + a @ b)` for two register operands `a` of one shared `b`, issued together."""
+  if interpret:
+    return tuple(_accumulate(acc, a, b_smem, interpret) for acc, a in zip(accs, lhs))
+
+  def issue(acc_refs):
+    for acc_ref, a in zip(acc_refs, lhs):
+      plgpu.wgmma(acc_ref, a, b_smem)
+
+  return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs))
+
+
+def _row_sums(x, interpret: bool):
+  """Partial row sums of `x [64, N]` (`_finish_row_sums` adds the lanes' partials up)."""
+  return x.sum(axis=1) if interpret else inline.row_sums_in_thread(x)
+
+
+def _finish_row_sums(partials, interpret: bool):
+  return partials if interpret else inline.sum_row_partials(partials)
+
+
 def _row_vector(ref, axis: int):
   """A `[64]` float32 vector from shared memory, laid out along `axis` of a WGMMA tile."""
   return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1 - axis))
@@ -119,9 +148,9 @@ def _copy_rows_in(tiles_refs, tile, block, head, rows, vectors, barrier, slot_ro
 
 
 def _dq_kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_ref, q_ref, k_ref,
-               v_ref, d_out_ref, lse2_ref, delta_ref, dq_ref, scoped, *, scale: float,
-               slot_rows: int, config: Config, interpret: bool):
-  (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem), barriers = scoped
+               v_ref, d_out_ref, lse2_ref, delta_ref, d_lse_ref, dq_ref, exact_delta_ref, scoped,
+               *, scale: float, slot_rows: int, config: Config, interpret: bool):
+  (q_smem, do_smem, lse_smem, delta_smem, d_lse_smem, k_smem, v_smem), barriers = scoped
   rows_ready, k_ready, v_ready, kv_consumed = barriers
   wg = lax.axis_index("wg")
   tile, head = lax.axis_index("tiles"), lax.axis_index("heads")
@@ -135,7 +164,8 @@ def _dq_kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_r
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
     _copy_rows_in((cands_ref, piece_ref), tile, wg, head,
                   ((q_ref, q_smem.at[wg]), (d_out_ref, do_smem.at[wg])),
-                  ((lse2_ref, lse_smem.at[wg]), (delta_ref, delta_smem.at[wg])),
+                  ((lse2_ref, lse_smem.at[wg]), (delta_ref, delta_smem.at[wg]),
+                   (d_lse_ref, d_lse_smem.at[wg])),
                   rows_ready.at[wg], slot_rows)
     plgpu.barrier_wait(rows_ready.at[wg])
     lse2 = _row_vector(lse_smem.at[wg], 0)
@@ -143,7 +173,8 @@ def _dq_kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_r
     head_dim = q_smem.shape[-1]
     tile_shape = (BLOCK_ROWS, block_kv)
 
-    def step(i, dq, masked: bool):
+    def step(i, carry, masked: bool):
+      dq, pk, ds_sums = carry
       slot = lax.rem(i, stages)
       plgpu.barrier_wait(k_ready.at[slot])
       s = _gemm(tile_shape, q_smem.at[wg], k_smem.at[slot].T)
@@ -153,17 +184,25 @@ def _dq_kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_r
       plgpu.barrier_wait(v_ready.at[slot])
       dp = _gemm(tile_shape, do_smem.at[wg], v_smem.at[slot].T)
       ds = p * (dp - lax.broadcast_in_dim(delta, tile_shape, [0]))
-      dq = _accumulate(dq, ds.astype(k_smem.dtype), k_smem.at[slot], interpret)
+      dq, pk = _accumulate_both((dq, pk), (ds.astype(k_smem.dtype), p.astype(k_smem.dtype)),
+                                k_smem.at[slot], interpret)
       plgpu.barrier_arrive(kv_consumed.at[slot])
-      return dq
+      return dq, pk, ds_sums + _row_sums(ds, interpret)
 
-    dq = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, head_dim), _F32), plgpu.Layout.WGMMA)
+    zeros = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, head_dim), _F32), plgpu.Layout.WGMMA)
+    no_sums = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), _F32), plgpu.Layout.WGMMA.reduce(1))
     full_steps = kv_len // block_kv
-    dq = lax.fori_loop(0, full_steps, functools.partial(step, masked=False), dq)
-    dq = lax.fori_loop(full_steps, kv_steps, functools.partial(step, masked=True), dq)
-    # The queries are no longer read: their buffer takes the result.
+    carry = lax.fori_loop(0, full_steps, functools.partial(step, masked=False),
+                          (zeros, zeros, no_sums))
+    dq, pk, ds_sums = lax.fori_loop(full_steps, kv_steps, functools.partial(step, masked=True),
+                                    carry)
+    error = delta_error(_finish_row_sums(ds_sums, interpret), _row_vector(d_lse_smem.at[wg], 0))
+    dq = dq - lax.broadcast_in_dim(error, dq.shape, [0]) * pk
+    # The queries and delta0 are no longer read: their buffers take the results.
     q_smem.at[wg][...] = (dq * scale).astype(q_smem.dtype)
+    delta_smem.at[wg][...] = delta + error
     plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(delta_smem.at[wg], exact_delta_ref.at[tile, head, wg])
     row_start = piece_ref[tile, wg] * BLOCK_ROWS
     num_valid = num_valid_ref[tile, wg]
     for j in range(cands_per_block):
@@ -273,7 +312,7 @@ def _in_tile_order(x, tiles: QueryTiles):
   return jnp.transpose(gathered.reshape(num_tiles, blocks, BLOCK_ROWS, -1), (0, 3, 1, 2))
 
 
-def backward(q, k, v, d_out, lse2, delta, tiles: QueryTiles, tile_kv_len, kv_len, *,
+def backward(q, k, v, d_out, lse2, delta, d_lse, tiles: QueryTiles, tile_kv_len, kv_len, *,
              scale: float, config: Config = Config(), interpret: bool = False):
   """`(dq, dk, dv)` of target attention on the forward's packed query tiles.
 
@@ -283,7 +322,8 @@ def backward(q, k, v, d_out, lse2, delta, tiles: QueryTiles, tile_kv_len, kv_len
       or past `kv_len` must be finite (zeros).
     lse2: `[B, H, T]` float32, the forward's lse times log2(e); `+inf` on query
       rows that only pad T (so they add nothing).
-    delta: `[B, H, T]` float32, `rowsum(out * d_out) - d_lse`.
+    delta: `[B, H, T]` float32, `rowsum(out * d_out) - d_lse` (the dq kernel corrects it).
+    d_lse: `[B, H, T]` float32, the lse's cotangent (zeros without one).
     tiles: the forward's packed query tiles (`block_rows == 64`, `NUM_CONSUMERS` blocks each).
     tile_kv_len: `int32[num_tiles]`, each tile's user's length (0 for dead tiles).
     kv_len: `int32[U]` in `[0, S]`.
@@ -300,11 +340,17 @@ def backward(q, k, v, d_out, lse2, delta, tiles: QueryTiles, tile_kv_len, kv_len
   transforms = smem_transforms(head_dim, dtype)
   rows = lambda *lead: plgpu.SMEM((*lead, BLOCK_ROWS, head_dim), dtype, transforms=transforms)
   vector = lambda *lead: plgpu.SMEM((*lead, BLOCK_ROWS), _F32)
-  copies = 2 * tiles.cands_per_block + 2  # q and d_out slot by slot, lse and delta whole
+  # q and d_out slot by slot; lse, delta0 (and d_lse for dq) whole.
+  dkv_copies = 2 * tiles.cands_per_block + 2
   # A TMA copy into shared memory must start 128-byte aligned, and a slot's
   # lse (T' float32s) may not: the vectors are gathered into the tiles' row
   # order here (B * T * H floats), so that a block takes each in one copy.
-  lse2, delta = (_in_tile_order(x, tiles) for x in (lse2, delta))
+  lse2, delta, d_lse = (_in_tile_order(x, tiles) for x in (lse2, delta, d_lse))
+  # Rows of slots past num_valid repeat some candidate, maybe one without keys
+  # (lse = -inf, so p = inf): lse = +inf gives them p = 0, and the dq kernel
+  # a finite delta to write for them.
+  live = jnp.arange(BLOCK_ROWS) < tiles.num_valid[:, None, :, None] * tiles.slot_rows
+  lse2 = jnp.where(live, lse2, jnp.inf)
   common = dict(num_threads=NUM_CONSUMERS + 1, thread_name="wg",
                 compiler_params=plgpu.CompilerParams(approx_math=True),
                 interpret=interpret_params(interpret))
@@ -318,18 +364,19 @@ def backward(q, k, v, d_out, lse2, delta, tiles: QueryTiles, tile_kv_len, kv_len
         lambda *scoped: _dq_kernel(*refs, scoped, scale=scale, slot_rows=tiles.slot_rows,
                                    config=config, interpret=interpret),
         (rows(NUM_CONSUMERS), rows(NUM_CONSUMERS), vector(NUM_CONSUMERS), vector(NUM_CONSUMERS),
-         kv_block(), kv_block()),
-        (plgpu.Barrier(num_arrivals=copies, num_barriers=NUM_CONSUMERS),
+         vector(NUM_CONSUMERS), kv_block(), kv_block()),
+        (plgpu.Barrier(num_arrivals=dkv_copies + 1, num_barriers=NUM_CONSUMERS),
          plgpu.Barrier(num_barriers=dq_stages), plgpu.Barrier(num_barriers=dq_stages),
          plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=dq_stages)),
         collective_axes="wg")
 
-  dq = plgpu.kernel(
-      dq_entry, out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+  dq, delta = plgpu.kernel(
+      dq_entry, out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
+                          jax.ShapeDtypeStruct(delta.shape, _F32)),
       grid=(tiles.num_tiles, num_heads), grid_names=("tiles", "heads"),
       kernel_name="ikbo_target_attention_dq_mosaic_gpu", **common,
   )(tiles.user, tile_kv_len, tiles.cands, tiles.num_valid, tiles.piece, q, k, v, d_out, lse2,
-    delta)
+    delta, d_lse)
 
   dkv_stages = max(1, config.stages)
 
@@ -340,7 +387,7 @@ def backward(q, k, v, d_out, lse2, delta, tiles: QueryTiles, tile_kv_len, kv_len
         (rows(NUM_CONSUMERS), rows(NUM_CONSUMERS), rows(dkv_stages), rows(dkv_stages),
          vector(dkv_stages), vector(dkv_stages)),
         (plgpu.Barrier(num_arrivals=2, num_barriers=NUM_CONSUMERS),
-         plgpu.Barrier(num_arrivals=copies, num_barriers=dkv_stages),
+         plgpu.Barrier(num_arrivals=dkv_copies, num_barriers=dkv_stages),
          plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=dkv_stages)),
         collective_axes="wg")
 

@@ -1,12 +1,14 @@
 """Target attention backward, Pallas Triton backend: dq per candidate, dk/dv per user.
 
 Both kernels recompute the probabilities from the forward's log-sum-exp,
-`p = exp(scale * q k^T - lse)`, and use `delta = rowsum(out * d_out)`
-(computed in XLA), as in FlashAttention-2:
+`p = exp(scale * q k^T - lse)`, as in FlashAttention-2, and subtract from
+`dp = d_out v^T` the row's `delta = sum_j p_j dp_j - d_lse`:
 
 - dq: program `(b, h, t)` owns `block_t` query rows of candidate `b` and
-  streams its user's first `kv_len[u]` keys: `dq = scale * (p * (dp - delta)) k`
-  with `dp = d_out v^T`.
+  streams its user's first `kv_len[u]` keys. It starts from FlashAttention's
+  estimate `delta0 = rowsum(out * d_out) - d_lse` (computed in XLA) and
+  corrects it on the way (`kernels/exact_delta.py`), so `dq` and the `delta`
+  it writes for the dk/dv kernel are exact to float32 rounding.
 - dk, dv: program `(u, s, h)` owns `block_s` keys of user `u` and loops over
   that user's candidates (in the index's sort order) and their query blocks
   (at most 128 rows and 32 KB each, so any T fits in shared memory), accumulating
@@ -26,6 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from ikbo_jax.kernels.exact_delta import delta_error
 from ikbo_jax.kernels.triton.target_attention import Config, dot
 
 _F32 = jnp.float32
@@ -45,7 +48,7 @@ def _probs_and_dscores(q, k, v, d_out, lse, delta, col_ok, scale):
 
 
 def _dq_kernel(cand_to_user_ref, kv_len_ref, q_ref, k_ref, v_ref, d_out_ref, lse_ref,
-               delta_ref, dq_ref, *, scale: float, config: Config):
+               delta_ref, d_lse_ref, dq_ref, exact_delta_ref, *, scale: float, config: Config):
   num_t, head_dim = q_ref.shape[1], q_ref.shape[3]
   bt, bs = config.block_t, config.block_s
   b, h, ti = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -57,17 +60,25 @@ def _dq_kernel(cand_to_user_ref, kv_len_ref, q_ref, k_ref, v_ref, d_out_ref, lse
   d_out = plt.load(d_out_ref.at[*rows, :], mask=row_ok[:, None], other=0.0)
   lse = plt.load(lse_ref.at[rows], mask=row_ok, other=0.0)
   delta = plt.load(delta_ref.at[rows], mask=row_ok, other=0.0)
+  d_lse = plt.load(d_lse_ref.at[rows], mask=row_ok, other=0.0)
 
-  def s_step(j, dq):
+  def s_step(j, carry):
+    dq, pk, ds_sum = carry
     col_ok = j * bs + jnp.arange(bs) < kv_len
     keys = (user, pl.ds(j * bs, bs), h, slice(None))
     k = plt.load(k_ref.at[keys], mask=col_ok[:, None], other=0.0)
     v = plt.load(v_ref.at[keys], mask=col_ok[:, None], other=0.0)
-    _, ds = _probs_and_dscores(q, k, v, d_out, lse, delta, col_ok, scale)
-    return dq + dot(ds.astype(k.dtype), k)
+    p, ds = _probs_and_dscores(q, k, v, d_out, lse, delta, col_ok, scale)
+    return (dq + dot(ds.astype(k.dtype), k), pk + dot(p.astype(k.dtype), k),
+            ds_sum + jnp.sum(ds, axis=1))
 
-  dq = lax.fori_loop(0, pl.cdiv(kv_len, bs), s_step, jnp.zeros((bt, head_dim), _F32))
+  zeros = jnp.zeros((bt, head_dim), _F32)
+  dq, pk, ds_sum = lax.fori_loop(0, pl.cdiv(kv_len, bs), s_step,
+                                 (zeros, zeros, jnp.zeros((bt,), _F32)))
+  error = delta_error(ds_sum, d_lse)
+  dq = dq - error[:, None] * pk
   plt.store(dq_ref.at[*rows, :], (dq * scale).astype(dq_ref.dtype), mask=row_ok[:, None])
+  plt.store(exact_delta_ref.at[rows], delta + error, mask=row_ok)
 
 
 def _dkv_kernel(user_offsets_ref, sort_order_ref, kv_len_ref, q_ref, k_ref, v_ref, d_out_ref,
@@ -108,7 +119,7 @@ def _dkv_kernel(user_offsets_ref, sort_order_ref, kv_len_ref, q_ref, k_ref, v_re
   plt.store(dv_ref.at[keys], dv.astype(dv_ref.dtype), mask=in_seq[:, None])
 
 
-def target_attention_backward(q, k, v, lse, delta, d_out, cand_to_user, user_offsets,
+def target_attention_backward(q, k, v, lse, delta, d_lse, d_out, cand_to_user, user_offsets,
                               sort_order, kv_len, *, scale: float, config: Config = Config(),
                               interpret: bool = False):
   """`(dq, dk, dv)` of target attention.
@@ -116,7 +127,8 @@ def target_attention_backward(q, k, v, lse, delta, d_out, cand_to_user, user_off
   Args:
     q: `[B, T, H, D]`; `k`, `v`: `[U, S, H, D]`; `d_out`: `[B, T, H, D]`.
     lse: `[B, T, H]` float32, the forward's log-sum-exp (`-inf` where `kv_len == 0`).
-    delta: `[B, T, H]` float32, `rowsum(out * d_out) - d_lse`.
+    delta: `[B, T, H]` float32, `rowsum(out * d_out) - d_lse`, which the dq kernel corrects.
+    d_lse: `[B, T, H]` float32, the lse's cotangent (zeros without one).
     cand_to_user: `int32[B]` in `[0, U)`.
     user_offsets: `int32[U + 1]`, user `u`'s candidates are
       `sort_order[user_offsets[u]:user_offsets[u + 1]]` (they drive the dk/dv loop).
@@ -130,14 +142,14 @@ def target_attention_backward(q, k, v, lse, delta, d_out, cand_to_user, user_off
   num_users, seq_len = k.shape[:2]
   d_out = d_out.astype(q.dtype)
   params = plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
-  dq = pl.pallas_call(
+  dq, delta = pl.pallas_call(
       functools.partial(_dq_kernel, scale=scale, config=config),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse.shape, _F32)),
       grid=(num_cands, num_heads, pl.cdiv(num_t, config.block_t)),
       compiler_params=params,
       interpret=interpret,
       name="ikbo_target_attention_dq_triton",
-  )(cand_to_user, kv_len, q, k, v, d_out, lse, delta)
+  )(cand_to_user, kv_len, q, k, v, d_out, lse, delta, d_lse)
   # A candidate's T rows in blocks of a power of two: at least 16 rows, at most
   # 128 and at most 32 KB of queries (64 rows of float32 at D = 128). Larger
   # blocks do not fit in shared memory (bfloat16 T = 256 asked for 330 KB).

@@ -115,7 +115,7 @@ def hopper_backward(params: Params, q, k, v, out, lse, index, kv_len, d_out, d_l
   num_queries, seq_len = q.shape[1], k.shape[1]
   if params.masked:
     k, v = xla.zero_past_length(k, kv_len), xla.zero_past_length(v, kv_len)
-  delta = jnp.transpose(output_cotangent_dot(out, d_out, d_lse), (0, 2, 1))
+  delta, d_lse = (jnp.transpose(x, (0, 2, 1)) for x in output_cotangent_dot(out, d_out, d_lse))
   d_out = d_out.astype(q.dtype)
   lse2 = jnp.transpose(lse, (0, 2, 1)) * backward_kernel.LOG2E
   packed_queries = query_tiles.packed_num_queries(num_queries, kernel.BLOCK_ROWS)
@@ -125,7 +125,8 @@ def hopper_backward(params: Params, q, k, v, out, lse, index, kv_len, d_out, d_l
   tiles, tile_kv_len = _tiles(index, kv_len, packed_queries)
   dq, dk, dv = backward_kernel.backward(
       pad_to(q, 1, packed_queries), pad_to(k, 1, padded_len), pad_to(v, 1, padded_len),
-      pad_to(d_out, 1, packed_queries), pad_rows(lse2, jnp.inf), pad_rows(delta), tiles,
+      pad_to(d_out, 1, packed_queries), pad_rows(lse2, jnp.inf), pad_rows(delta),
+      pad_rows(d_lse), tiles,
       tile_kv_len, kv_len, scale=params.scale, config=config, interpret=params.interpret)
   return dq[:, :num_queries], dk[:, :seq_len], dv[:, :seq_len]
 

@@ -40,7 +40,7 @@ def backward(params: Params, q, k, v, out, lse, index, kv_len, d_out, d_lse,
   padded_len = round_up(seq_len, config.block_s)
   dq, dk, dv = backward_kernel.target_attention_backward(
       q, pad_to(k, 1, padded_len), pad_to(v, 1, padded_len), lse,
-      output_cotangent_dot(out, d_out, d_lse), d_out,
+      *output_cotangent_dot(out, d_out, d_lse), d_out,
       index.clamped_cand_to_user, index.user_offsets, index.sort_order, kv_len,
       scale=params.scale, config=config, interpret=params.interpret)
   return dq, dk[:, :seq_len], dv[:, :seq_len]

@@ -37,13 +37,18 @@ class KernelBackend:
 
 
 def output_cotangent_dot(out, d_out, d_lse):
-  """`delta = rowsum(out * d_out) - d_lse`, float32 `[B, T, H]`: what every backward subtracts.
+  """`(delta0, d_lse)`, float32 `[B, T, H]`: FlashAttention's estimate of what every backward subtracts.
 
-  `d lse / d logits = p`, so the lse's cotangent enters the softmax backward
-  as a shift of `delta` (None: no lse cotangent).
+  The softmax backward subtracts `delta = sum_j p_j dp_j - d_lse` from
+  `dp = d_out v^T` (`d lse / d logits = p`, so the lse's cotangent enters as
+  a shift). `delta0 = rowsum(out * d_out) - d_lse` is that value up to the
+  rounding of `out` to its 16 bits, which the kernels' dq pass corrects; they
+  take `d_lse` (zeros where the caller had no lse cotangent) for it.
   """
-  delta = jnp.einsum("bthd,bthd->bth", out.astype(jnp.float32), d_out.astype(jnp.float32))
-  return delta if d_lse is None else delta - d_lse.astype(jnp.float32)
+  delta = jnp.einsum("bthd,bthd->bth", out.astype(jnp.float32), d_out.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+  d_lse = jnp.zeros_like(delta) if d_lse is None else d_lse.astype(jnp.float32)
+  return delta - d_lse, d_lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
