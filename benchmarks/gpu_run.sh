@@ -2,7 +2,10 @@
 # One device call: benchmarks and attention diagnostics first (the numbers that matter most if
 # the call is cut short), then GPU tests, the demo and the linear-compression diagnostics. Results go to $OUT.
 # Set IKBO_COMMIT (the device copy has no .git). STEPS picks what runs, by default
-# "lc attention self_target tests demo diagnostics"; also "sweep" (the randomized correctness
+# "lc attention self_target tests demo diagnostics"; also "gate" (first in a session's first
+# call: every GPU test of the kernels, then the rewrite's tests; GATE_WORKERS pytest processes
+# share the GPU, since compiling dominates; each result line, and each sweep failure in full,
+# lands in $OUT as it happens), "sweep" (the randomized correctness
 # sweep and the regression tests, failures in full), "soak" (tools/soak.py for SOAK_MINUTES),
 # "system" (the ranking system benchmark and the main job at the benchmark preset),
 # "serving" (checkpoint cost, the serving ladder three times, a profiler trace under load),
@@ -42,13 +45,24 @@ if has lc; then
     --out "$OUT/linear_compression_${TAG}.json" > "$OUT/bench.log" 2>&1
   tail -n 13 "$OUT/bench.log"
 fi
+if has gate; then
+  XLA_PYTHON_CLIENT_PREALLOCATE=false IKBO_FAILURE_LOG="$OUT/gate_failures.log" \
+    timeout "${GATE_TIMEOUT:-420}" python3 -m pytest -p no:cacheprovider -m gpu -rf \
+    --tb=line -n "${GATE_WORKERS:-6}" -v tests 2>&1 | tee "$OUT/gate.log" \
+    | grep -E "FAILED|ERROR|passed|failed" | cut -c1-400 | tail -n 40
+  JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 \
+    python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_rewrite.py \
+    tests/test_rewrite_soundness.py tests/test_rewrite_reach.py tests/test_rewrite_properties.py \
+    2>&1 | tail -n 30 > "$OUT/gate_rewrite.log"
+  tail -n 2 "$OUT/gate_rewrite.log"
+fi
 if has precision; then
   timeout "${PRECISION_TIMEOUT:-240}" python3 -m benchmarks.attention_precision \
     --out "$OUT/attention_precision_${TAG}.json" 2>&1 | grep -v Warning | cut -c1-2500
 fi
 if has backward; then
   timeout 300 python3 -m pytest -q -x -s tests/test_target_attention_mosaic.py tests/test_target_attention_backward.py \
-    -m gpu -k "hopper or single_position or one_key or bit_repeatable" 2>&1 \
+    -m gpu -k "hopper or single_position or one_key or one_hot or bit_repeatable" 2>&1 \
     | tee "$OUT/gpu_backward_tests.log" | tail -n 30
   timeout 280 python3 -m benchmarks.target_attention --seq-lens 512 1024 2048 4096 8192 \
     --out "$OUT/target_attention_backward_${TAG}.json" > "$OUT/attention_bench.log" 2>&1

@@ -6,15 +6,18 @@ Published IKBO benchmark shape: B=2048, U=32 (64 candidates each), H=2, D=128,
 n_seed=64, bf16, S from 512 to 16384. Baselines in the same run: cuDNN on K/V
 broadcast outside the timing ("prebroadcast"), broadcast + cuDNN, and cuDNN on
 the zero-copy per-user packed layout (sorted, uniform counts: all of a user's
-candidate queries as one query sequence). Ours: the Triton and Mosaic GPU
+candidate queries as one query sequence), and JAX's own Pallas Mosaic GPU attention
+(`jax.experimental.pallas.ops.gpu.attention_mgpu`, FlashAttention-3 style, forward and
+backward; no logit scale, which changes no timing) on that packed layout: a pure Pallas
+peer. Ours: the Triton and Mosaic GPU
 kernels with a shuffled and a sorted mapping (Mosaic GPU persistent: one CTA per
 SM looping over tiles), the Mosaic GPU kernel with one CTA per tile, and Mosaic GPU with the published
 odd counts (each user 64 or 65 candidates at random, so B differs and rows
 compare by TFLOP/s). Forward FLOPs are `4 * B * H * n_seed * S * D`; forward +
 backward counts 3.5x that (the backward's five GEMMs against the forward's
 two), the backward alone 2.5x. `fwd_bwd/` rows time `jax.grad`, `bwd/` rows the
-VJP function alone (its residuals computed outside the timing); `hopper_bwd`
-rows run the Mosaic GPU backward kernels, the other IKBO rows the Triton ones.
+VJP function alone (its residuals computed outside the timing); each IKBO
+row runs its implementation's own backward kernels (Mosaic GPU or Triton).
 """
 
 from __future__ import annotations
@@ -30,8 +33,6 @@ from benchmarks.problems import attention_sweep_parser, attention_sweep_setup, c
 from ikbo_jax import CandidateIndex, target_attention
 from ikbo_jax.kernels.mosaic_gpu import target_attention as mosaic_kernel
 from ikbo_jax.ops.target_attention import mosaic_gpu as target_attention_mosaic
-from ikbo_jax.ops.target_attention.params import Params
-from ikbo_jax.ops.target_attention.vjp import kernel_attention
 
 SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
 BASELINES = ("cudnn_prebroadcast", "broadcast_cudnn", "cudnn_packed_sorted", "xla_materialized")
@@ -48,16 +49,20 @@ def _packed_cudnn(q, k, v):
   return packed.reshape(q.shape)
 
 
+def _packed_attention_mgpu(q, k, v):
+  """JAX's Pallas Mosaic GPU attention on the packed per-user layout (as `_packed_cudnn`)."""
+  from jax.experimental.pallas.ops.gpu import attention_mgpu  # imports CUDA-only modules
+  num_users, (num_cands, t, h, d) = k.shape[0], q.shape
+  config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
+                                       block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
+                                       block_kv_dq=64)
+  packed = attention_mgpu.attention(q.reshape(num_users, num_cands // num_users * t, h, d), k, v,
+                                    config)
+  return packed.reshape(q.shape)
+
+
 def _ikbo(implementation):
   return functools.partial(target_attention, implementation=implementation)
-
-
-def _hopper_backward(q, k, v, index):
-  """Mosaic GPU forward and the Mosaic GPU backward kernels, full-length histories."""
-  params = Params(scale=1 / np.sqrt(q.shape[-1]), masked=False, return_lse=False)
-  kv_len = jnp.full((k.shape[0],), k.shape[1], jnp.int32)
-  return kernel_attention(target_attention_mosaic.HOPPER_BACKWARD_BACKEND, params, q, k, v,
-                          index, kv_len)
 
 
 def _bwd_only(fn, operands, d_out):
@@ -111,6 +116,7 @@ def variants(seq_len, shape, dtype, on_gpu, with_backward):
       "cudnn_prebroadcast": (jax.jit(cudnn), (q, k[ids], v[ids]), cost(q, k)),
       "broadcast_cudnn": (jax.jit(_broadcast_cudnn), (q, k, v, ids), cost(q, k)),
       "cudnn_packed_sorted": (jax.jit(_packed_cudnn), (q, k, v), cost(q, k)),
+      "attention_mgpu_packed_sorted": (jax.jit(_packed_attention_mgpu), (q, k, v), cost(q, k)),
   }
   for impl in ("mosaic_gpu", "triton"):
     rows[f"{impl}_shuffled"] = (jax.jit(_ikbo(impl)), (q, k, v, index), cost(q, k))
@@ -130,11 +136,11 @@ def variants(seq_len, shape, dtype, on_gpu, with_backward):
     broadcast = lambda q, k, v, index: _broadcast_cudnn(q, k, v, ids)
     paths = {"broadcast_cudnn": (broadcast, sorted_index),
              "cudnn_packed_sorted": (packed, sorted_index),
+             "attention_mgpu_packed_sorted": (
+                 lambda q, k, v, index: _packed_attention_mgpu(q, k, v), sorted_index),
              "mosaic_gpu_shuffled": (_ikbo("mosaic_gpu"), index),
              "mosaic_gpu_sorted": (_ikbo("mosaic_gpu"), sorted_index),
-             "triton_shuffled": (_ikbo("triton"), index),
-             "hopper_bwd_shuffled": (_hopper_backward, index),
-             "hopper_bwd_sorted": (_hopper_backward, sorted_index)}
+             "triton_shuffled": (_ikbo("triton"), index)}
     for name, (fn, path_index) in paths.items():
       bound = functools.partial(lambda fn, path_index, q, k, v: fn(q, k, v, path_index), fn,
                                 path_index)

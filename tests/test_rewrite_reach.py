@@ -35,12 +35,13 @@ def test_a_uniform_ratio_without_a_mapping(spelling):
   assert report.flops_saved > 0 and _materialized_at(report) == ["mul"], str(report)
 
 
-def test_repeat_by_per_user_counts_runs_as_written_and_says_why():
+def test_repeat_by_per_user_counts_is_a_broadcast():
+  """`jnp.repeat`'s index fills out of range; its rows past the counts' total are NaN rows."""
   def model(user, counts, cand, w):
     return jnp.tanh(jnp.repeat(user, counts, axis=0, total_repeat_length=B) @ w) * cand
   args = (_normal(0, U, 8), jnp.array([4, 0, 5], jnp.int32), _normal(1, B, 5), _normal(2, 8, 5))
   report = check_rewrite(model, args, mapping=1, users=0)
-  assert "fills out-of-range rows" in report.materialized[0].reason, str(report)
+  assert report.count("broadcast") == 1 and report.count("at_users") >= 1, str(report)
 
 
 def test_squeeze_and_astype_after_a_broadcast():

@@ -205,3 +205,61 @@ def test_forward_mode_through_moved_work_is_exact():
   want = jax.jvp(lambda u: model(u, *args[1:]), args[:1], tangent)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+# Defect: work moved to batch U also ran on the rows of users without candidates,
+# which the original never computes. A non-finite value or derivative there put NaN
+# into the weights' gradients through a zero cotangent (L2 norm of a zero row, log
+# of a zero count, a lookup of a padding user's sentinel ids, a NaN input row).
+# Those rows are now copies of rows some candidate reads.
+_UNUSED = jnp.array([0, 2, 0, 2, 2, 0, 3, 3, 0, 2], jnp.int32)  # users 1 and 4 have none
+
+
+def _norm_tower(user, ids, cand, w):
+  rows = user[ids]
+  return jnp.sum((rows / jnp.linalg.norm(rows, axis=-1, keepdims=True)) @ w * cand)
+
+
+def _log_count(user, ids, cand, w):
+  return jnp.sum(jnp.log(user[ids][:, :1]) * (cand @ w.T)[:, :1])
+
+
+def _sentinel_lookup(hist, ids, cand, table, w):
+  pooled = jnp.mean(jnp.take(table, hist[ids], axis=0), axis=1)  # fill mode: sentinel is NaN
+  return jnp.sum(jnp.tanh(pooled @ w) * cand)
+
+
+@pytest.mark.parametrize("program", ["norm_tower", "log_count", "sentinel_lookup", "nan_row"])
+def test_rows_of_users_without_candidates_stay_out_of_every_gradient(program):
+  user = jnp.abs(_normal(0, 5, 8)) + 0.5
+  user = user.at[1].set(0.0).at[4].set(jnp.nan if program == "nan_row" else 0.0)
+  cand, w = _normal(1, B, 5), _normal(2, 8, 5)
+  if program == "sentinel_lookup":
+    hist = jax.random.randint(jax.random.key(3), (5, 4), 0, 6).at[1].set(6).at[4].set(6)
+    model, args = _sentinel_lookup, (hist, _UNUSED, cand, _normal(4, 6, 5), _normal(5, 5, 5))
+  else:
+    model = _log_count if program == "log_count" else _norm_tower
+    args = (user, _UNUSED, cand, w)
+  out, grads = outputs_and_gradients(model, args)
+  assert np.isfinite(out) and all(np.isfinite(g).all() for g in grads)  # the original's
+  report = check_rewrite(model, args, mapping=1, users=0)
+  assert report.count("at_users") >= 1, str(report)
+
+
+# Defect: with ids past U in `user[ids]`, the forward agreed (a clamped read) but the
+# rewrite added those candidates' cotangents to row U - 1, where JAX's gather drops
+# them. Out-of-range candidates now read a copy of the clamped row whose gradient
+# is stopped.
+@pytest.mark.parametrize("spelling", ["index", "promise", "take_clip", "take_fill"])
+def test_out_of_range_ids_get_exactly_jaxs_gradient(spelling):
+  gather = {"index": lambda u, i: u[i],
+            "promise": lambda u, i: u.at[i].get(mode="promise_in_bounds"),
+            "take_clip": lambda u, i: jnp.take(u, i, axis=0, mode="clip"),
+            "take_fill": lambda u, i: jnp.take(u, i, axis=0)}[spelling]
+
+  def model(user, ids, cand, w):
+    return jax.nn.relu(gather(user, ids) @ w) * cand
+  ids = IDS.at[1].set(U).at[4].set(U + 7).at[6].set(-U - 2)
+  args = (_normal(0, U, 8), ids, _normal(1, B, 5), _normal(2, 8, 5))
+  report = check_rewrite(model, args, mapping=1, users=0)
+  assert report.count("broadcast") == 1 and report.count("at_users") >= 1, str(report)

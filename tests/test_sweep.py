@@ -83,3 +83,18 @@ def test_sweep_fails_a_wrong_implementation(monkeypatch):
                       lambda *a, **k: decomposed(*a, **k).at[7].multiply(1.1))
   results = {r.implementation: r for r in sweep.run_case(case)}
   assert not results["xla"].ok and results["xla_materialized"].ok
+
+
+def test_the_old_name_of_the_mosaic_gpu_backward_path_still_works_and_warns():
+  with pytest.warns(DeprecationWarning, match="'mosaic_gpu'"):
+    assert sweep.HOPPER_BACKWARD == "mosaic_gpu"
+  with pytest.raises(AttributeError):
+    sweep.NO_SUCH_NAME
+
+
+def test_attention_draws_peaked_softmaxes_and_cases_without_an_lse_cotangent():
+  cases = [sweep.draw_attention_case(s) for s in range(200)]
+  assert {c.peak for c in cases} == {0.0, *sweep.PEAKS}
+  assert 0.15 < np.mean([c.peak > 0 for c in cases]) < 0.45
+  assert 0.15 < np.mean([not c.lse_cotangent for c in cases]) < 0.45
+  assert all(sweep.draw_attention_case(s, True).lse_cotangent for s in range(50))

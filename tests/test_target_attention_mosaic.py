@@ -167,25 +167,25 @@ def test_interpret_lazy_rescale_within_reference_error():
 # The Mosaic GPU backward (dq per query tile, dk/dv per user in one CTA) under
 # the interpreter: T that packs and T that spans blocks, S = 1 and S past a
 # block, lengths 0, 1 and S, users without candidates, unsorted mappings.
-_HOPPER_BACKWARD_CASES = (
+_BACKWARD_CASES = (
     sweep.AttentionCase(0, sweep.Mapping(3, 7, 0, False), 7, 130, 2, 64, (130, 1, 0), "bfloat16"),
     sweep.AttentionCase(1, sweep.Mapping(2, 40, 0, False), 65, 200, 1, 64, (200, 65), "float16"),
     sweep.AttentionCase(2, sweep.Mapping(4, 30, 1, True), 1, 1, 2, 128, (1, 1, 0, 1), "bfloat16"),
 )
 
 
-@pytest.mark.parametrize("case", _HOPPER_BACKWARD_CASES, ids=["t7", "t65", "s1"])
+@pytest.mark.parametrize("case", _BACKWARD_CASES, ids=["t7", "t65", "s1"])
 def test_interpret_hopper_backward_within_reference_error(case):
-  (result,) = sweep.run_case(case, (sweep.HOPPER_BACKWARD,), interpret=True)
+  (result,) = sweep.run_case(case, ("mosaic_gpu",), interpret=True)
   assert result.ok, result.describe()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", _HOPPER_BACKWARD_CASES + (
+@pytest.mark.parametrize("case", _BACKWARD_CASES + (
     sweep.AttentionCase(3, sweep.Mapping(3, 64, 0, False), 7, 2000, 2, 64, (1, 1500, 2000),
                         "bfloat16"),
     sweep.AttentionCase(4, sweep.Mapping(32, 2048, 0, False), 64, 1024, 2, 128, (1024,) * 32,
                         "bfloat16")), ids=["t7", "t65", "s1", "one_key", "published"])
 def test_gpu_hopper_backward_within_reference_error(case):
-  (result,) = sweep.run_case(case, (sweep.HOPPER_BACKWARD,))
+  (result,) = sweep.run_case(case, ("mosaic_gpu",))
   assert result.ok, result.describe()

@@ -33,6 +33,7 @@ IKBO rewrite: 1 at_users, 1 broadcast, 1 entered, 1 split_dense; ...
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -48,8 +49,30 @@ from ikbo_jax.rewrite.values import Plain, materialize
 __all__ = ["Change", "Report", "attention", "explain", "flax_attention_fn", "rewrite"]
 
 
-def rewrite(fn: Callable, *, mapping, users=(), candidates=None,
-            report: Report | None = None) -> Callable:
+# The keywords' names before 2026-12 (argument positions only), accepted for one release.
+_RENAMED = {"mapping_argnum": "mapping", "user_argnums": "users",
+            "candidate_argnums": "candidates"}
+
+
+def _renamed(caller: str, selectors: dict, old: dict) -> dict:
+  """`selectors` with the old keywords in `old` moved to their new names, warning for each."""
+  for name, value in old.items():
+    if name not in _RENAMED:
+      raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+    new = _RENAMED[name]
+    warnings.warn(f"{caller}(..., {name}=...) is deprecated: use {new}= (it takes the same "
+                  f"argument positions, and also paths and predicates)", DeprecationWarning,
+                  stacklevel=3)
+    if selectors[new] is not None:
+      raise TypeError(f"{caller}() got both {name}= and its new name {new}=")
+    selectors[new] = value
+  if selectors["mapping"] is None:
+    raise TypeError(f"{caller}() missing the keyword argument 'mapping'")
+  return selectors
+
+
+def rewrite(fn: Callable, *, mapping=None, users=None, candidates=None,
+            report: Report | None = None, **renamed) -> Callable:
   """`fn` with broadcasts of user rows pushed into IKBO form.
 
   The inputs are named by selectors (`ikbo_jax.rewrite.selectors`): an argument
@@ -66,6 +89,8 @@ def rewrite(fn: Callable, *, mapping, users=(), candidates=None,
       axis has size B counts as a candidate input, which is safe but may keep a
       weight of that size from moving to batch U.
     report: if given, each trace appends its changes to it.
+    **renamed: `mapping_argnum`, `user_argnums` and `candidate_argnums`, the
+      old names of `mapping`, `users` and `candidates`: deprecated, they warn.
 
   Returns:
     A function with `fn`'s signature and results, for every input (ids out of
@@ -75,6 +100,10 @@ def rewrite(fn: Callable, *, mapping, users=(), candidates=None,
     derivatives (`jax.jvp`) of a rewrite that emits IKBO ops raise a
     `TypeError` naming the op: take them of `fn` itself.
   """
+  selectors = _renamed("rewrite", dict(mapping=mapping, users=users, candidates=candidates),
+                       renamed)
+  mapping, candidates = selectors["mapping"], selectors["candidates"]
+  users = () if selectors["users"] is None else selectors["users"]
   mapping_selectors = as_selectors("mapping", mapping)
   user_selectors = as_selectors("users", users)
   cand_selectors = None if candidates is None else as_selectors("candidates", candidates)
@@ -116,13 +145,16 @@ def rewrite(fn: Callable, *, mapping, users=(), candidates=None,
   return rewritten
 
 
-def explain(fn: Callable, *args, mapping, users=(), candidates=None) -> Report:
+def explain(fn: Callable, *args, mapping=None, users=None, candidates=None,
+            **renamed) -> Report:
   """What `rewrite` changes in `fn` for arguments like `args` (traced abstractly, not run).
 
   Every broadcast made real is listed (`Report.materialized`) with the
-  primitive that needed it and the reason no rule moved it.
+  primitive that needed it and the reason no rule moved it. The keywords are
+  `rewrite`'s (the old names warn there too).
   """
+  selectors = _renamed("explain", dict(mapping=mapping, users=users, candidates=candidates),
+                       renamed)
   report = Report()
-  jax.make_jaxpr(rewrite(fn, mapping=mapping, users=users, candidates=candidates,
-                         report=report))(*args)
+  jax.make_jaxpr(rewrite(fn, **selectors, report=report))(*args)
   return report

@@ -1,13 +1,27 @@
 """Gathers of user rows by an index vector are broadcasts; what is known of integer ranges.
 
 A row gather `take(user, idx, axis=0)` of a value without a candidate axis is
-`Broadcast(user, idx)` for any integer index vector `idx`, computed as the
-program computes it: the rewrite never assumes what an index is, so a clamp,
-a shift or `jnp.repeat`'s index is gathered with exactly as written. The
-gather's out-of-range semantics are kept too: "clip" and "promise in bounds"
-clamp (XLA clamps a promised index), as a broadcast does; a "fill" gather
-(`jnp.take`'s default) is a broadcast only where its index is known to lie in
-`[0, U)`.
+a `Broadcast` for any integer index vector `idx`, computed as the program
+computes it: the rewrite never assumes what an index is, so a clamp, a shift
+or `jnp.repeat`'s index is gathered with exactly as written.
+
+The work moved after it runs on the broadcast's user rows, so those rows must
+be exactly what the original computes on, forward and backward
+(`exact_rows`):
+
+* out-of-range ids keep the gather's own semantics. "clip" clamps both ways,
+  as the IKBO ops do. "promise in bounds" reads the clamped row but its
+  transpose drops the candidate's cotangent, and "fill" (`jnp.take`'s
+  default) reads a fill value (NaN for floats) and drops it too: those
+  candidates read extra rows appended to the user rows, copies of the
+  clamped row with their gradient stopped, or the fill row;
+* a row no candidate reads (a user without candidates, a padding user) is
+  never computed by the original, and a value there may be anything (a zero
+  row that a norm divides by, NaN): with a zero cotangent, a non-finite
+  derivative there would still put NaN into the weights' gradients. Such rows
+  are replaced by a row some candidate reads, so whatever runs at U on them
+  is a copy of something the original computed, and their zero cotangent
+  stays zero.
 
 `bounds` infers static ranges of integer values (from `clip`, `min`/`max`
 with constants, `iota`, and the `where(i < 0, i + n, i)` that indexing
@@ -24,7 +38,6 @@ import numpy as np
 from jax.extend.core import primitives as P
 from jax._src.lax.slicing import GatherScatterMode
 
-from ikbo_jax.rewrite.report import Decline
 from ikbo_jax.rewrite.values import Broadcast, Plain
 
 _INF = math.inf
@@ -46,15 +59,55 @@ def gather(rw, eqn, operands):
       or tuple(eqn.params["slice_sizes"]) != (1, *np.shape(value)[1:])):
     return None
   num_users = np.shape(value)[0]
-  if eqn.params["mode"] == GatherScatterMode.FILL_OR_DROP and not _within(indices, num_users):
-    # A fill row would have to flow through every op moved to U, and a NaN row there turns
-    # zero cotangents into NaN gradients of the weights: only a provably in-range index moves.
-    raise Decline("a gather that fills out-of-range rows (jnp.take's default) by an index not "
-                  "known to lie in [0, U): clip it (jnp.clip(ids, 0, U - 1)), index with "
-                  "user[ids] or pass mode='clip'")
-  ids = rw.memo(("rows", num_users), indices.value, lambda i: i[:, 0])
+  mode = eqn.params["mode"] if not _within(indices, num_users) else GatherScatterMode.CLIP
+  ids, rows = rw.memo(("rows", num_users, mode), indices.value,
+                      lambda i: _exact_ids(i[:, 0], num_users, mode))
+  user = jnp.concatenate([value, *_extra_rows(value, mode, eqn.params["fill_value"])])
   rw.report.add("broadcast", eqn, bytes_saved=nbytes(eqn.outvars[0].aval))
-  return [Broadcast(value, ids, 0)]
+  return [Broadcast(jnp.take(user, rows, axis=0, mode="clip"), ids, 0)]
+
+
+def _exact_ids(ids, num_users: int, mode):
+  """`(ids, rows)` for the user rows with `_extra_rows` appended under `mode`.
+
+  Out-of-range ids point at the extra rows; `rows` picks, for each of those
+  user rows, itself if some candidate reads it, else the row candidate 0 reads.
+  """
+  ids = ids.astype(jnp.int32)
+  if mode == GatherScatterMode.CLIP:
+    ids, num_rows = jnp.clip(ids, 0, num_users - 1), num_users
+  elif mode == GatherScatterMode.FILL_OR_DROP:
+    ids = jnp.where((ids >= 0) & (ids < num_users), ids, num_users)
+    num_rows = num_users + 1
+  else:  # promise in bounds: XLA clamps the read
+    ids = jnp.where(ids < 0, num_users, jnp.where(ids >= num_users, num_users + 1, ids))
+    num_rows = num_users + 2
+  if ids.shape[0] == 0:
+    return ids, jnp.arange(num_rows, dtype=jnp.int32)
+  read = jnp.zeros((num_rows,), jnp.bool_).at[ids].set(True, unique_indices=False)
+  return ids, jnp.where(read, jnp.arange(num_rows, dtype=jnp.int32), ids[0])
+
+
+def _extra_rows(value, mode, fill_value) -> list:
+  """The rows that out-of-range ids read under `mode`, after the user rows."""
+  if mode == GatherScatterMode.CLIP:
+    return []
+  if mode == GatherScatterMode.FILL_OR_DROP:
+    return [jnp.full((1, *value.shape[1:]), _fill(value.dtype, fill_value), value.dtype)]
+  return [jax.lax.stop_gradient(value[:1]), jax.lax.stop_gradient(value[-1:])]
+
+
+def _fill(dtype, fill_value):
+  """What a fill gather reads out of range (`lax.gather`'s defaults where `fill_value` is None)."""
+  if fill_value is not None:
+    return fill_value
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return jnp.nan
+  if jnp.issubdtype(dtype, jnp.signedinteger):
+    return jnp.iinfo(dtype).min
+  if jnp.issubdtype(dtype, jnp.unsignedinteger):
+    return jnp.iinfo(dtype).max
+  return True
 
 
 def _lookup_of_broadcast_ids(rw, eqn, operand, indices):

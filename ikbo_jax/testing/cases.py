@@ -5,6 +5,14 @@ user/candidate ratios from 1 to 1000, users without candidates, sorted and
 shuffled mappings, lengths of 0, 1, S and around block edges, every dtype; a
 quarter of the attention cases have histories of at most 8 positions). A case
 is a frozen record: the sweep (`sweep.py`) builds its inputs from the seed.
+
+Attention cases also draw, from a stream of their own (so that the fields
+above stay what earlier seeds gave), a peaked softmax (each user's key 0
+aligned with its candidates' queries: weights of 0.5 to 0.999 on one key,
+where `ds = p (dp - delta)` cancels as it does with one key) and, for target
+attention, whether the lse gets a cotangent (without one, the dq and dk of a
+one-key history are exactly zero, so rounding noise there is not hidden
+behind the lse's share).
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ DTYPES = ("bfloat16", "float16", "float32")
 # Share of attention cases drawn from tiny histories (S <= 8), tiny n_seed and D in {32, 64}.
 TINY_SHARE = 0.25
 OPS = ("linear_compression", "target_attention", "self_target_attention")
+# Attention cases with a peaked softmax, their peaks, and target cases without an lse cotangent.
+PEAKED_SHARE, PEAKS = 0.3, (0.8, 1.0, 1.2)
+NO_LSE_COTANGENT_SHARE = 0.3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +75,8 @@ class AttentionCase:
   kv_len: tuple[int, ...]
   dtype: str
   causal: bool | None = None
+  peak: float = 0.0  # > 0: key 0 of each user aligned with its queries, logit ~ peak^2 sqrt(D)
+  lse_cotangent: bool = True  # target attention: the lse output gets a random cotangent
 
   @property
   def op(self) -> str:
@@ -135,8 +148,12 @@ def draw_attention_case(seed: int, self_attention: bool = False,
                                   num_empty=min(mapping.num_empty, users - 1),
                                   num_candidates=max(mapping.num_candidates, users))
   causal = bool(rng.random() < 0.5) if self_attention else None
+  softmax_rng = np.random.default_rng((seed, 4 if self_attention else 3))
+  peak = float(softmax_rng.choice(PEAKS)) if softmax_rng.random() < PEAKED_SHARE else 0.0
+  lse_cotangent = self_attention or bool(softmax_rng.random() >= NO_LSE_COTANGENT_SHARE)
   return AttentionCase(seed, mapping, n_seed, seq_len, heads, head_dim,
-                       _lengths(rng, mapping.num_users, seq_len), _dtype(rng), causal)
+                       _lengths(rng, mapping.num_users, seq_len), _dtype(rng), causal, peak,
+                       lse_cotangent)
 
 
 def draw_case(op: str, seed: int, size: float = 1.0):

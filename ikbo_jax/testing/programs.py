@@ -12,7 +12,10 @@ products of stacks, linear compression, attention through the marker (with
 grouped queries), nested `jit`, `checkpoint`, `cond`, `vmap` and `scan`, and a
 user value used both at U and broadcast. Inputs have exact zeros (cold-start
 users, zero biases) and ties; mappings are sorted or shuffled, with users
-without candidates, one user, and B = U.
+without candidates, one user, and B = U. The rows of users without candidates
+may hold zeros, NaN or Inf (a padding user), which the original never reads,
+and ops whose value or derivative is not finite at zero (`log`, an L2 norm)
+find them; some candidates may carry a padding id of U or -1.
 
 `programs()` draws `(fn, args)`; `fn(user, cand, batch, params)` takes the
 mapping and the user sequence inside the `batch` dict, so the rewrite's
@@ -69,6 +72,8 @@ UNARY = {
     "abs": jnp.abs, "square": jnp.square, "straight_through": straight_through,
     "clip_gradient": clip_gradient, "batch_scaled": batch_scaled, "silu": jax.nn.silu,
     "softmax": lambda x: jax.nn.softmax(x, axis=-1),
+    "log_abs": lambda x: jnp.log(jnp.abs(x)),
+    "l2norm": lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True),
 }
 BINARY = {"add": jnp.add, "mul": jnp.multiply, "max": jnp.maximum,
           "where": lambda a, b: jnp.where(a > 0, a, b)}
@@ -218,7 +223,19 @@ def inputs(draw):
   live = rng.permutation(num_users)[:max(1, num_users - draw(st.integers(0, 1)))]
   ids = np.sort(rng.choice(live, num_candidates)) if draw(st.booleans()) else rng.choice(
       live, num_candidates)
+  padding_id = draw(st.sampled_from((None, None, num_users, -1)))
+  if padding_id is not None and num_candidates > 1:
+    ids[-1] = padding_id  # a padding candidate past the live ones
+  unused = np.setdiff1d(np.arange(num_users), live)
+  unused_value = draw(st.sampled_from((None, 0.0, np.nan, np.inf)))
   normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+
+  def padding_rows(x):
+    """Rows of users without candidates (what no candidate of the original reads)."""
+    if unused_value is not None and len(unused):
+      x = x.copy()
+      x[unused] = unused_value
+    return x
 
   def with_zeros_and_ties(x):
     x = np.where(rng.random(x.shape) < 0.15, 0.0, x)  # exact zeros
@@ -232,9 +249,9 @@ def inputs(draw):
             "w_compress": normal(3, 2), "w_query": normal(F, F) / 3,
             "gate": np.float32(rng.standard_normal())}
   batch = {"ids": jnp.asarray(ids, jnp.int32),
-           "seq": jnp.asarray(with_zeros_and_ties(normal(num_users, S, F))),
+           "seq": jnp.asarray(padding_rows(with_zeros_and_ties(normal(num_users, S, F)))),
            "lengths": jnp.asarray(rng.integers(0, S + 1, num_users), jnp.int32)}
-  args = (jnp.asarray(with_zeros_and_ties(normal(num_users, F))),
+  args = (jnp.asarray(padding_rows(with_zeros_and_ties(normal(num_users, F)))),
           jnp.asarray(with_zeros_and_ties(normal(num_candidates, F))), batch,
           jax.tree.map(jnp.asarray, params))
   return args

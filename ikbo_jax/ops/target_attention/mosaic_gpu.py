@@ -6,12 +6,11 @@ such size, a copy of `q` only), and `S` a multiple of its K/V block (K/V are
 zero-padded, a copy at batch U; the padded keys are masked by `kv_len`). With
 self-attention, `S` is padded to whole 128-row user query tiles as well.
 
-The backward that runs by default is the Triton backend's (dq per candidate,
-dk/dv summed per user inside one program). `hopper_backward` runs the Mosaic
-GPU backward kernels on the forward's query tiles instead: on the H200 at the
-published shape it takes 0.75x / 0.69x of the Triton backward's time (S = 1024
-/ 4096, docs/results.md); it becomes the default once the whole GPU sweep has
-run on it (seeds 0-6 of target attention have).
+The backward (`backward`) runs the Mosaic GPU backward kernels on the
+forward's query tiles: dq per tile, dk/dv summed per user inside one CTA. On
+an H100 at the published shape it takes 0.74-0.83x of the Triton backward's
+time (S = 512 to 4096, docs/results.md); the Triton backend keeps its own for
+GPUs without Hopper instructions.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from ikbo_jax.index import CandidateIndex
 from ikbo_jax.kernels.mosaic_gpu import query_tiles
 from ikbo_jax.kernels.mosaic_gpu import target_attention as kernel
 from ikbo_jax.kernels.mosaic_gpu import target_attention_backward as backward_kernel
-from ikbo_jax.ops.target_attention import triton, xla
+from ikbo_jax.ops.target_attention import xla
 from ikbo_jax.ops.target_attention.params import Params
 from ikbo_jax.ops.target_attention.vjp import KernelBackend, output_cotangent_dot
 
@@ -103,8 +102,8 @@ def self_target_forward(q_user, q, k, v, index: CandidateIndex, kv_len, *, scale
   return out_user, out, lse
 
 
-def hopper_backward(params: Params, q, k, v, out, lse, index, kv_len, d_out, d_lse,
-                    config: backward_kernel.Config = backward_kernel.Config()):
+def backward(params: Params, q, k, v, out, lse, index, kv_len, d_out, d_lse,
+             config: backward_kernel.Config = backward_kernel.Config()):
   """`(dq, dk, dv)` on the Mosaic GPU backward kernels, over the forward's packed query tiles.
 
   Padding is arranged so that it adds nothing: query rows that pad T get
@@ -134,6 +133,4 @@ def hopper_backward(params: Params, q, k, v, out, lse, index, kv_len, d_out, d_l
 BACKEND = KernelBackend(
     _dispatch.Backend("mosaic_gpu", is_kernel=True, dtypes=_dispatch.HALF_FLOATS,
                       device="hopper", limits=head_dim_limit),
-    forward, triton.backward)
-# The same forward with the Mosaic GPU backward: checked and measured beside `BACKEND`.
-HOPPER_BACKWARD_BACKEND = KernelBackend(BACKEND.support, forward, hopper_backward)
+    forward, backward)
