@@ -71,6 +71,18 @@ def test_linear_compression_over_a_concatenated_stack():
   assert report.bytes_saved > 0
 
 
+@pytest.mark.parametrize("padding_id", [None, U, -1])
+def test_linear_compression_over_jnp_take_in_its_fill_mode(padding_id):
+  """`jnp.take(x, cand_to_user, axis=0)`, how many rankers gather, keeps its linear compression."""
+  def model(e_user, ids, e_cand, w):
+    stack = jnp.concatenate([jnp.take(e_user, ids, axis=0), e_cand], axis=1)
+    return jnp.einsum("mk,bkn->bmn", w, stack)
+  ids = IDS if padding_id is None else IDS.at[-1].set(padding_id)
+  args = (_normal(0, U, 6, 5), ids, _normal(1, B, 7, 5), _normal(2, 9, 13))
+  report = _check(model, args, users=(0,), expect=["linear_compression"], user_shape=(U, 6, 5))
+  assert not report.materialized, str(report)
+
+
 def test_linear_compression_with_the_stack_on_the_left():
   def model(e_user, ids, e_cand, w):
     return jnp.einsum("bkn,km->bnm", jnp.concatenate([e_user[ids], e_cand], axis=1), w)

@@ -263,3 +263,18 @@ def test_out_of_range_ids_get_exactly_jaxs_gradient(spelling):
   args = (_normal(0, U, 8), ids, _normal(1, B, 5), _normal(2, 8, 5))
   report = check_rewrite(model, args, mapping=1, users=0)
   assert report.count("broadcast") == 1 and report.count("at_users") >= 1, str(report)
+
+
+def test_the_old_keyword_names_still_work_and_warn():
+  def model(user, ids, cand, w):
+    return jax.nn.relu(user[ids] @ w) * cand
+  args = (_normal(0, U, 8), IDS, _normal(1, B, 5), _normal(2, 8, 5))
+  with pytest.warns(DeprecationWarning, match="use mapping="):
+    fast = rewrite.rewrite(model, mapping_argnum=1, user_argnums=(0,), candidate_argnums=(2,))
+  np.testing.assert_allclose(fast(*args), model(*args), rtol=1e-6)
+  with pytest.warns(DeprecationWarning, match="use users="):
+    assert rewrite.explain(model, *args, mapping=1, user_argnums=(0,)).count("at_users")
+  with pytest.raises(TypeError, match="both mapping_argnum= and its new name mapping="):
+    rewrite.rewrite(model, mapping=1, mapping_argnum=1)
+  with pytest.raises(TypeError, match="unexpected keyword argument 'user_argnum'"):
+    rewrite.rewrite(model, mapping=1, user_argnum=0)

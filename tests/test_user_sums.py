@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from ikbo_jax.ops import user_sums
@@ -55,3 +56,17 @@ def _equations(jaxpr):
     for param in eqn.params.values():
       if hasattr(param, "jaxpr"):
         yield from _equations(getattr(param.jaxpr, "jaxpr", param.jaxpr))
+
+
+@pytest.mark.parametrize("num_users", [3, user_sums.ONE_HOT_MAX_USERS + 5])
+def test_a_non_finite_row_reaches_only_its_users_sum(num_users):
+  """A one-hot GEMM multiplies every row by every user's 0 (`0 * NaN = NaN`); the sums must not."""
+  rng = np.random.default_rng(0)
+  ids = jnp.asarray(rng.integers(0, num_users, 400), jnp.int32)
+  x = jnp.asarray(rng.standard_normal((400, 3)), jnp.float32)
+  x = x.at[7, 0].set(jnp.nan).at[8, 1].set(jnp.inf).at[9, 2].set(-jnp.inf).at[10, 2].set(jnp.inf)
+  got = np.asarray(user_sums.sum_per_user(x, ids, num_users))
+  want = np.asarray(jax.ops.segment_sum(x, ids, num_segments=num_users))
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+  np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

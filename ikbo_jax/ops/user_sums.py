@@ -14,6 +14,12 @@ floating-point sum ever depends on arrival order:
   a time, each chunk's rows of one user summed by a small one-hot GEMM and
   added to the total with a scatter whose ids are all distinct (so even an
   atomic add has one writer per element).
+
+A one-hot GEMM multiplies every row by every user's 0 or 1, and `0 * NaN` is
+NaN: one non-finite candidate row would reach every user's sum. So the GEMMs
+run on the finite values, and only when some value is not finite
+(`lax.cond`) do counts of the NaN, +Inf and -Inf per user and element put
+back what a plain sum of that user's rows gives there.
 """
 
 from __future__ import annotations
@@ -26,6 +32,23 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 ONE_HOT_MAX_USERS = 256
 # Rows per step of the sorted sweep: the one-hot GEMM's cost grows with it, the steps' count shrinks.
 SORTED_CHUNK = 64
+
+
+def one_hot_sum(one_hot, x):
+  """`einsum("sc,c...->s...", one_hot, x)` in float32 where `one_hot` is 0/1 and a non-finite
+  value of `x` reaches only the sums whose rows hold it."""
+  gemm = lambda v: jnp.einsum("sc,c...->s...", one_hot.astype(v.dtype), v,
+                              preferred_element_type=_F32, precision=_HIGHEST)
+  finite = jnp.isfinite(x)
+  total = gemm(jnp.where(finite, x, jnp.zeros((), x.dtype)))
+
+  def with_non_finite(total):
+    holds = lambda mask: gemm(mask.astype(_F32)) > 0
+    nan, pos, neg = holds(jnp.isnan(x)), holds(x == jnp.inf), holds(x == -jnp.inf)
+    return jnp.where(nan | (pos & neg), jnp.nan,
+                     jnp.where(pos, jnp.inf, jnp.where(neg, -jnp.inf, total)))
+
+  return jax.lax.cond(jnp.all(finite), lambda t: t, with_non_finite, total)
 
 
 def add_sorted_chunk(total, rows, ids):
@@ -43,8 +66,8 @@ def add_sorted_chunk(total, rows, ids):
   chunk = ids.shape[0]
   starts = jnp.concatenate([jnp.ones((1,), bool), ids[1:] != ids[:-1]])
   segment = jnp.cumsum(starts) - 1
-  one_hot = (segment[:, None] == jnp.arange(chunk)[None, :]).astype(_F32)
-  sums = jnp.einsum("cs,c...->s...", one_hot, rows.astype(_F32), precision=_HIGHEST)
+  one_hot = (segment[None, :] == jnp.arange(chunk)[:, None]).astype(_F32)
+  sums = one_hot_sum(one_hot, rows.astype(_F32))
   (first,) = jnp.nonzero(starts, size=chunk, fill_value=-1)
   # Unused segments get distinct ids past U, dropped like the padding's.
   num_users = total.shape[0]
@@ -60,9 +83,7 @@ def sum_per_user(x, cand_to_user, num_users: int):
   `cand_to_user` must lie in `[0, U)`.
   """
   if num_users <= ONE_HOT_MAX_USERS:
-    one_hot = jax.nn.one_hot(cand_to_user, num_users, dtype=x.dtype, axis=0)
-    return jnp.einsum("ub,b...->u...", one_hot, x, preferred_element_type=_F32,
-                      precision=_HIGHEST)
+    return one_hot_sum(jax.nn.one_hot(cand_to_user, num_users, dtype=x.dtype, axis=0), x)
   order = jnp.argsort(cand_to_user, stable=True)
   ids = in_chunks(cand_to_user[order], SORTED_CHUNK, fill=num_users)
   rows = in_chunks(x[order], SORTED_CHUNK)
