@@ -2,6 +2,8 @@
 or runs as written with the reason in the report where rewriting it would not be the same
 computation."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -120,3 +122,26 @@ def test_jax_nn_attention_and_flax_attention_without_the_hook_run_as_written():
   args = (_normal(0, U, 6, 2, 4), IDS, _normal(1, B, 2, 2, 4))
   report = check_rewrite(model, args, mapping=1, users=0, rtol=1e-5)
   assert report.materialized and not report.count("target_attention"), str(report)
+
+
+def test_checkpoint_name_inside_a_checkpoint_body_keeps_the_rows_at_users():
+  """`checkpoint_name` on user rows names the rows at U; the remat policy still applies."""
+  from jax.ad_checkpoint import checkpoint_name
+
+  @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names("h"))
+  def tower(rows, w):
+    return jnp.tanh(checkpoint_name(jax.nn.relu(rows @ w), "h") @ w.T)
+
+  def model(user, ids, cand, w):
+    return tower(user[ids], w) @ w * cand
+  args = (_normal(0, U, 8), IDS, _normal(1, B, 5), _normal(2, 8, 5))
+  report = check_rewrite(model, args, mapping=1, users=0)
+  assert report.count("at_users") >= 3 and _materialized_at(report) == ["mul"], str(report)
+
+
+def test_take_along_axis_of_user_rows_by_the_mapping():
+  def model(user, ids, cand, w):
+    return jnp.tanh(jnp.take_along_axis(user, ids[:, None], axis=0) @ w) * cand
+  args = (_normal(0, U, 8), IDS.at[2].set(U + 1), _normal(1, B, 5), _normal(2, 8, 5))
+  report = check_rewrite(model, args, mapping=1, users=0)
+  assert report.count("broadcast") == 1 and _materialized_at(report) == ["mul"], str(report)

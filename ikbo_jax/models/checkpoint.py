@@ -6,11 +6,18 @@ training adds its own (the optimizer, its cursor) beside it. Serving reads the
 parameters alone, so it never builds an optimizer (Flax's checkpointing guide
 keeps model state apart from the training loop the same way).
 
-Integrity: once a step is written, `seal` records the SHA-256 of every file in
-it (`integrity.json`); `verify` recomputes them. Whoever restores, training or
-serving, takes the newest step that verifies (`newest_good_step`), warns about every
+Integrity: once a step is written, `seal` records the step's number and the
+SHA-256 of every file in it (`integrity.json`); `verify` recomputes them and
+checks that the directory holds the step it is named for (a swapped or
+renamed directory does not). Whoever restores, training or serving, takes the
+newest step that verifies and restores (`restore_newest`), warns about every
 newer one that does not, and fails naming the files when none does: a flipped
 byte is never restored silently. A step without a seal is not trusted.
+
+A step that failed is never trusted again: training moves it aside (under
+`rejected/`, with the reason) before anything is saved at its number, so a
+later save of the same step writes new files instead of finding the old ones
+(orbax skips a step that exists) and sealing them.
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ import hashlib
 import json
 import os
 import pathlib
+import time
 import warnings
+from collections.abc import Callable
 
 import jax
 import orbax.checkpoint as ocp
@@ -30,6 +39,7 @@ from ikbo_jax.models.ranker import Ranker
 
 PARAMS = "params"
 SEAL = "integrity.json"
+REJECTED = "rejected"  # steps that failed verification or a restore, each with its reason
 
 
 class CheckpointError(RuntimeError):
@@ -70,9 +80,9 @@ def step_dir(directory, step: int) -> pathlib.Path:
 
 
 def seal(directory, step: int) -> None:
-  """Records the checksums of a finished step's files."""
+  """Records the step's number and the checksums of its files, once they are all written."""
   path = step_dir(directory, step)
-  (path / SEAL).write_text(json.dumps(_digests(path), indent=0))
+  (path / SEAL).write_text(json.dumps(dict(step=step, files=_digests(path)), indent=0))
 
 
 def verify(directory, step: int) -> str | None:
@@ -84,6 +94,12 @@ def verify(directory, step: int) -> str | None:
     return f"{path} has no {SEAL} (a save that did not finish)"
   except (OSError, ValueError) as e:
     return f"{path / SEAL} is unreadable: {e}"
+  if not isinstance(sealed, dict):
+    return f"{path / SEAL} is not a seal"
+  if "files" in sealed:
+    if sealed.get("step") != step:
+      return f"{path} holds step {sealed.get('step')!r} by its {SEAL}, not step {step}"
+    sealed = sealed["files"]  # seals written before 2026-12-06 hold the digests alone
   actual = _digests(path)
   for name in sorted(set(sealed) | set(actual)):
     if sealed.get(name) != actual.get(name):
@@ -92,25 +108,55 @@ def verify(directory, step: int) -> str | None:
   return None
 
 
-def newest_good_step(checkpoints: ocp.CheckpointManager, directory,
-                     step: int | None = None) -> int:
-  """The newest step that verifies; warns of each newer one that does not.
+def set_aside(directory, step: int, reason: str) -> pathlib.Path:
+  """Moves step `step` under `rejected/` (out of orbax's sight) with why; returns where."""
+  source = step_dir(directory, step)
+  stamp = time.strftime("%Y%m%dT%H%M%S")
+  target = source.parent / REJECTED / f"{step}-{stamp}"
+  for n in range(1, 1000):
+    if not target.exists():
+      break
+    target = source.parent / REJECTED / f"{step}-{stamp}-{n}"
+  target.parent.mkdir(exist_ok=True)
+  source.rename(target)
+  (target / "reason.txt").write_text(reason + "\n")
+  return target
 
-  With `step`, that one (an error if it does not verify). A
-  `FileNotFoundError` when there is no checkpoint, a `CheckpointError` naming
-  every failure when none verifies.
+
+def restore_newest(checkpoints: ocp.CheckpointManager, directory, restore: Callable,
+                   step: int | None = None, set_aside_failures: bool = False):
+  """`(step, restore(step))` of the newest step that verifies and restores.
+
+  Warns of each newer one that does not (a sealed step can still fail to
+  restore: written by another version, or damaged in a way its seal did not
+  see), and with `set_aside_failures` moves each such step aside for good. With
+  `step`, that one only. A `FileNotFoundError` when there is no checkpoint, a
+  `CheckpointError` naming every failure when none is good.
   """
   steps = sorted(checkpoints.all_steps(), reverse=True) if step is None else [step]
   if not steps:
-    raise FileNotFoundError(f"no checkpoint under {directory}")
+    rejected = pathlib.Path(os.path.abspath(directory)) / REJECTED
+    count = len(list(rejected.iterdir())) if rejected.is_dir() else 0
+    raise FileNotFoundError(f"no checkpoint under {directory}" + (
+        f" ({count} set aside under {rejected}, each with its reason)" if count else ""))
   failures = []
   for candidate in steps:
     problem = verify(directory, candidate)
     if problem is None:
-      for failure in failures:
-        warnings.warn(f"skipping a checkpoint that does not verify: {failure}", stacklevel=2)
-      return candidate
+      try:
+        restored = restore(candidate)
+      except Exception as e:  # whatever the library raised: this step is not good
+        problem = (f"{step_dir(directory, candidate)} does not restore: "
+                   f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+      else:
+        for failure in failures:
+          warnings.warn(f"skipping a checkpoint: {failure}", stacklevel=2)
+        return candidate, restored
+    if set_aside_failures:
+      problem += f" (moved to {set_aside(directory, candidate, problem)})"
     failures.append(problem)
+  if set_aside_failures:
+    checkpoints.reload()
   raise CheckpointError(f"no checkpoint under {directory} verifies: " + "; ".join(failures))
 
 
@@ -122,8 +168,7 @@ def load_ranker(config: RankerConfig, directory: str | os.PathLike,
   """
   model = Ranker(config, rngs=nnx.Rngs(0))
   with manager(directory) as checkpoints:
-    step = newest_good_step(checkpoints, directory, step)
-    restored = checkpoints.restore(step, args=ocp.args.Composite(
-        **{PARAMS: restore_args(model)}))
+    _, restored = restore_newest(checkpoints, directory, lambda s: checkpoints.restore(
+        s, args=ocp.args.Composite(**{PARAMS: restore_args(model)})), step)
   update(model, restored[PARAMS])
   return model

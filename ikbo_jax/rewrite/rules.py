@@ -297,6 +297,19 @@ def stack(rw, eqn, operands):
   return [Concat(tuple(expanded), lead.ids, axis)]
 
 
+def checkpoint_name(rw, eqn, operands):
+  """`checkpoint_name(rows, name)` of a broadcast: the name goes on the user rows at U.
+
+  A remat policy that saves the named value then keeps U rows instead of B.
+  """
+  (v,) = operands
+  if not isinstance(v, Broadcast):
+    return None
+  out = eqn.primitive.bind(v.user, **eqn.params)
+  rw.moved(eqn, out, v)
+  return [v.like(out)]
+
+
 def parts_sizes(stack: Concat) -> list[int]:
   return [part_shape(p)[stack.dimension] for p in stack.parts]
 
@@ -307,4 +320,4 @@ RULES.update({p: cumulative for p in CUMULATIVE})
 RULES.update({P.broadcast_in_dim_p: broadcast_in_dim, P.reshape_p: reshape, P.iota_p: iota,
               P.squeeze_p: squeeze, P.transpose_p: transpose, P.concatenate_p: concatenate,
               P.slice_p: along_features, P.pad_p: along_features, P.rev_p: along_features,
-              stack_p: stack})
+              stack_p: stack, P.name_p: checkpoint_name})

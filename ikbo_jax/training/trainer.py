@@ -252,6 +252,11 @@ class Trainer:
     if directory not in self._managers:
       self._managers[directory] = checkpoint.manager(directory)
     self.seal_finished_save(wait=True)
+    if checkpoint.step_dir(directory, self.step_count).exists():
+      # orbax would skip a step that exists, and its old files would be sealed as this save.
+      checkpoint.set_aside(directory, self.step_count,
+                           f"replaced by a new save of step {self.step_count}")
+      self._managers[directory].reload()
     self._managers[directory].save(self.step_count, args=ocp.args.Composite(
         **{checkpoint.PARAMS: checkpoint.save_args(self.model)},
         optimizer=checkpoint.save_args(self.optimizer),
@@ -288,21 +293,28 @@ class Trainer:
     return int(sum(x.nbytes for x in leaves if hasattr(x, "nbytes")))
 
   def restore(self, directory: str | os.PathLike, step: int | None = None) -> int:
-    """Restores the newest checkpoint that verifies (or `step`'s); returns its step.
+    """Restores the newest checkpoint that verifies and restores (or `step`'s); returns its step.
 
-    Newer ones that do not verify are skipped with a warning; `CheckpointError`
-    if none verifies (`models.checkpoint`).
+    Newer ones that do not are skipped with a warning and moved aside for good
+    (`models.checkpoint.restore_newest`); `CheckpointError` if none is good.
     """
-    with checkpoint.manager(directory) as manager:
-      step = checkpoint.newest_good_step(manager, directory, step)
+    def restore(step):
       restored = manager.restore(step, args=ocp.args.Composite(
           **{checkpoint.PARAMS: checkpoint.restore_args(self.model)},
           optimizer=checkpoint.restore_args(self.optimizer), meta=ocp.args.JsonRestore()))
+      meta = restored["meta"]
+      if not all(isinstance(meta.get(k), int) and meta[k] >= 0 for k in ("cursor", "step")):
+        raise checkpoint.CheckpointError(
+            f"its cursor and step must be ints >= 0, got {meta.get('cursor')!r} and "
+            f"{meta.get('step')!r}")
+      if meta["step"] != step:
+        raise checkpoint.CheckpointError(f"its metadata names step {meta['step']}, not {step}")
+      return restored
+
+    with checkpoint.manager(directory) as manager:
+      step, restored = checkpoint.restore_newest(manager, directory, restore, step,
+                                                 set_aside_failures=True)
     meta = restored["meta"]
-    if not all(isinstance(meta.get(k), int) and meta[k] >= 0 for k in ("cursor", "step")):
-      raise checkpoint.CheckpointError(
-          f"{checkpoint.step_dir(directory, step)}: its cursor and step must be ints >= 0, "
-          f"got {meta.get('cursor')!r} and {meta.get('step')!r}")
     checkpoint.update(self.model, restored[checkpoint.PARAMS])
     checkpoint.update(self.optimizer, restored["optimizer"])
     self.cursor, self.step_count = meta["cursor"], meta["step"]
