@@ -99,15 +99,29 @@ def test_a_run_extended_in_pieces_equals_one_straight_run(tmp_path, straight):
   assert _report(second)["eval_loss"] == straight["eval_loss"]
 
 
-def _trained(tmp_path, saves=(2, 4)) -> Trainer:
+def _train(directory, saves=(2, 4)) -> None:
   trainer = Trainer(CONFIG, TrainConfig(steps=max(saves), num_users=4, num_candidates=64),
                     ClickGenerator(CONFIG, seed=0).request)
   for step in range(1, max(saves) + 1):
     trainer.step()
     if step in saves:
-      trainer.save(tmp_path)
+      trainer.save(directory)
   trainer.close()
-  return trainer
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> pathlib.Path:
+  """The checkpoints of one short run (steps 2 and 4), trained once for the module."""
+  directory = tmp_path_factory.mktemp("saved_run")
+  _train(directory)
+  return directory
+
+
+@pytest.fixture
+def run_dir(tmp_path, saved_run) -> pathlib.Path:
+  """A fresh copy of `saved_run`'s checkpoints in this test's own directory."""
+  shutil.copytree(saved_run, tmp_path, dirs_exist_ok=True)
+  return tmp_path
 
 
 def _flip_bytes(directory, step, count=32) -> pathlib.Path:
@@ -130,87 +144,81 @@ def _truncate(directory, step) -> pathlib.Path:
 
 
 @pytest.mark.parametrize("corrupt", [_flip_bytes, _truncate], ids=["flipped", "truncated"])
-def test_a_corrupt_checkpoint_falls_back_to_the_previous_good_one(tmp_path, corrupt):
-  _trained(tmp_path)
-  broken = corrupt(tmp_path, 4)
+def test_a_corrupt_checkpoint_falls_back_to_the_previous_good_one(run_dir, corrupt):
+  broken = corrupt(run_dir, 4)
   with pytest.warns(UserWarning, match=f"{broken.name} is changed since the step was saved"):
-    load_ranker(CONFIG, tmp_path)  # serving falls back, and leaves the files where they are
+    load_ranker(CONFIG, run_dir)  # serving falls back, and leaves the files where they are
   fresh = Trainer(CONFIG, TrainConfig(steps=4, num_users=4, num_candidates=64),
                   ClickGenerator(CONFIG, seed=0).request)
   with pytest.warns(UserWarning, match=f"{broken.name} is changed since the step was saved"):
-    assert fresh.restore(tmp_path) == 2
+    assert fresh.restore(run_dir) == 2
 
 
-def test_no_good_checkpoint_is_an_error_naming_the_file_for_training_and_serving(tmp_path):
-  _trained(tmp_path)
-  _flip_bytes(tmp_path, 4)
-  broken = _flip_bytes(tmp_path, 2)
+def test_no_good_checkpoint_is_an_error_naming_the_file_for_training_and_serving(run_dir):
+  _flip_bytes(run_dir, 4)
+  broken = _flip_bytes(run_dir, 2)
   with pytest.raises(checkpoint.CheckpointError, match="no checkpoint under .* verifies"):
-    load_ranker(CONFIG, tmp_path)
+    load_ranker(CONFIG, run_dir)
   fresh = Trainer(CONFIG, TrainConfig(steps=4), ClickGenerator(CONFIG, seed=0).request)
   with pytest.raises(checkpoint.CheckpointError, match=f"{broken.name} is changed"):
-    fresh.restore(tmp_path)
+    fresh.restore(run_dir)
   # Training moved both aside: serving now finds none, and says where they went.
   with pytest.raises(FileNotFoundError, match="2 set aside under .*rejected"):
-    load_ranker(CONFIG, tmp_path)
+    load_ranker(CONFIG, run_dir)
 
 
-def test_an_unsealed_or_edited_step_is_not_trusted(tmp_path):
-  _trained(tmp_path)
-  (checkpoint.step_dir(tmp_path, 4) / checkpoint.SEAL).unlink()  # a save that never finished
-  meta = checkpoint.step_dir(tmp_path, 2) / "meta" / "metadata"
+def test_an_unsealed_or_edited_step_is_not_trusted(run_dir):
+  (checkpoint.step_dir(run_dir, 4) / checkpoint.SEAL).unlink()  # a save that never finished
+  meta = checkpoint.step_dir(run_dir, 2) / "meta" / "metadata"
   meta.write_text(json.dumps({**json.loads(meta.read_text()), "cursor": -5}))
-  checkpoint.seal(tmp_path, 2)  # sealed as written: the metadata check itself must refuse
+  checkpoint.seal(run_dir, 2)  # sealed as written: the metadata check itself must refuse
   fresh = Trainer(CONFIG, TrainConfig(steps=4), ClickGenerator(CONFIG, seed=0).request)
   with pytest.raises(checkpoint.CheckpointError,
                      match="has no integrity.json.*cursor and step must be ints >= 0"):
-    fresh.restore(tmp_path)
+    fresh.restore(run_dir)
 
 
 # Defect: a step that failed verification was skipped at resume, but when the run
 # reached its number again orbax skipped the save (the step existed) and the trainer
 # sealed the corrupt files, which then verified; with the newer steps gone, restoring
 # them crashed. A failed step is now moved aside before anything is saved at its number.
-def test_a_step_that_failed_is_never_sealed_again(tmp_path):
-  _trained(tmp_path)
-  broken = _flip_bytes(tmp_path, 4)
+def test_a_step_that_failed_is_never_sealed_again(run_dir):
+  broken = _flip_bytes(run_dir, 4)
   resumed = Trainer(CONFIG, TrainConfig(steps=4, num_users=4, num_candidates=64),
                     ClickGenerator(CONFIG, seed=0).request)
   with pytest.warns(UserWarning, match=f"{broken.name} is changed.*moved to .*rejected"):
-    assert resumed.restore(tmp_path) == 2
-  (rejected,) = (tmp_path / checkpoint.REJECTED).iterdir()
+    assert resumed.restore(run_dir) == 2
+  (rejected,) = (run_dir / checkpoint.REJECTED).iterdir()
   assert rejected.name.startswith("4-") and "is changed" in (rejected / "reason.txt").read_text()
   resumed.step(), resumed.step()
-  resumed.save(tmp_path)
+  resumed.save(run_dir)
   resumed.close()
-  assert checkpoint.verify(tmp_path, 4) is None
-  shutil.rmtree(checkpoint.step_dir(tmp_path, 2))  # the older step gone: 4 must hold
+  assert checkpoint.verify(run_dir, 4) is None
+  shutil.rmtree(checkpoint.step_dir(run_dir, 2))  # the older step gone: 4 must hold
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    load_ranker(CONFIG, tmp_path)
+    load_ranker(CONFIG, run_dir)
 
 
-def test_swapped_step_directories_are_not_restored_as_the_wrong_step(tmp_path):
-  _trained(tmp_path)
-  two, four = checkpoint.step_dir(tmp_path, 2), checkpoint.step_dir(tmp_path, 4)
-  two.rename(tmp_path / "swap"), four.rename(two), (tmp_path / "swap").rename(four)
+def test_swapped_step_directories_are_not_restored_as_the_wrong_step(run_dir):
+  two, four = checkpoint.step_dir(run_dir, 2), checkpoint.step_dir(run_dir, 4)
+  two.rename(run_dir / "swap"), four.rename(two), (run_dir / "swap").rename(four)
   with pytest.raises(checkpoint.CheckpointError, match="holds step 2 by its integrity.json, "
                                                        "not step 4.*holds step 4"):
-    load_ranker(CONFIG, tmp_path)
+    load_ranker(CONFIG, run_dir)
 
 
-def test_a_sealed_step_that_does_not_restore_falls_back(tmp_path):
+def test_a_sealed_step_that_does_not_restore_falls_back(run_dir):
   """What the old defect left behind: damaged files sealed as good."""
-  _trained(tmp_path)
-  params = checkpoint.step_dir(tmp_path, 4) / checkpoint.PARAMS
+  params = checkpoint.step_dir(run_dir, 4) / checkpoint.PARAMS
   target = max((p for p in params.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
   target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
-  checkpoint.seal(tmp_path, 4)
+  checkpoint.seal(run_dir, 4)
   with pytest.warns(UserWarning, match="does not restore"):
-    load_ranker(CONFIG, tmp_path)
+    load_ranker(CONFIG, run_dir)
   fresh = Trainer(CONFIG, TrainConfig(steps=4), ClickGenerator(CONFIG, seed=0).request)
   with pytest.warns(UserWarning, match="does not restore.*moved to"):
-    assert fresh.restore(tmp_path) == 2
+    assert fresh.restore(run_dir) == 2
 
 
 def test_preflight_refuses_a_file_and_a_full_disk_before_step_one(tmp_path):
@@ -243,7 +251,7 @@ def test_an_unwritable_directory_is_refused(tmp_path):
 
 
 def test_the_server_refuses_to_start_on_a_checkpoint_that_does_not_verify(tmp_path):
-  _trained(tmp_path, saves=(2,))
+  _train(tmp_path, saves=(2,))
   _flip_bytes(tmp_path, 2)
   run = subprocess.run([sys.executable, "-m", "ikbo_jax.serving", "--checkpoint-dir",
                         str(tmp_path), "--port", "0"], cwd=ROOT, capture_output=True, text=True,
