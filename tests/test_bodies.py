@@ -30,13 +30,28 @@ def _packed(**fields) -> bytes:
   return msgspec.msgpack.encode({**msgspec.msgpack.decode(request), **fields})
 
 
+def _array(dtype, shape, nbytes=None):
+  size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+  return dict(dtype=np.dtype(dtype).str, shape=list(shape), data=b"\0" * (nbytes or size))
+
+
+_HISTORY = len(REQUESTS[0].history)
+
+
 @pytest.mark.parametrize("body, status, named", [
-    (_packed(history=b"\0" * 6), 400, "history has 6 bytes"),
-    (_packed(cand_dense=b"\0" * 4), 400, "cand_dense has 1 float32 values"),
+    (_packed(history=_array("<i4", [2], nbytes=6)), 400, "history has 6 bytes; shape [2]"),
+    (_packed(cand_dense=_array("<f4", [1, 1])), 400, "cand_dense has shape [1, 1]"),
+    (_packed(history=_array("<i8", [_HISTORY])), 400, "history has dtype '<i8'; it must be '<i4'"),
+    (_packed(user_dense=_array(">f4", [CONFIG.user_dense])), 400,
+     "user_dense has dtype '>f4'"),
+    (_packed(user_dense=_array("<f8", [CONFIG.user_dense // 2])), 400,
+     "user_dense has dtype '<f8'"),
+    (_packed(history=_array("<i4", [2, 1])), 400, "history has shape [2, 1]; it must have 1"),
+    (_packed(history=b"\0" * 8), 400, "`$.history`"),  # bare bytes: the dtype is not said
     (_packed(history="text"), 400, "`$.history`"),
     (_packed(extra=b""), 400, "unknown field `extra`"),
-    (_packed(cand_items=b"\0" * 4 * 101, cand_dense=b"\0" * 4 * 101 * CONFIG.cand_dense), 413,
-     "101 candidates"),
+    (_packed(cand_items=_array("<i4", [101]), cand_dense=_array("<f4", [101, CONFIG.cand_dense])),
+     413, "101 candidates"),
     (b"\xc1", 400, "not application/msgpack"),
 ])
 def test_a_broken_msgpack_body_names_its_fault(body, status, named):
@@ -46,8 +61,9 @@ def test_a_broken_msgpack_body_names_its_fault(body, status, named):
 
 
 def test_non_finite_features_in_raw_bytes_are_the_requests_error():
-  nan = np.full(CONFIG.user_dense, np.nan, np.float32).tobytes()
-  request = bodies.decode(bodies.MSGPACK, _packed(user_dense=nan), CONFIG, 100)
+  nan = np.full(CONFIG.user_dense, np.nan, np.float32)
+  user_dense = dict(dtype="<f4", shape=[CONFIG.user_dense], data=nan.tobytes())
+  request = bodies.decode(bodies.MSGPACK, _packed(user_dense=user_dense), CONFIG, 100)
   with pytest.raises(RequestError, match="user_dense must be finite"):
     request.validated(CONFIG)
 

@@ -35,8 +35,10 @@ SORTED_CHUNK = 64
 
 
 def one_hot_sum(one_hot, x):
-  """`einsum("sc,c...->s...", one_hot, x)` in float32 where `one_hot` is 0/1 and a non-finite
-  value of `x` reaches only the sums whose rows hold it."""
+  """`einsum("sc,c...->s...", one_hot, x)` in float32, for a 0/1 `one_hot`.
+
+  A non-finite value of `x` reaches only the sums whose rows hold it.
+  """
   gemm = lambda v: jnp.einsum("sc,c...->s...", one_hot.astype(v.dtype), v,
                               preferred_element_type=_F32, precision=_HIGHEST)
   finite = jnp.isfinite(x)

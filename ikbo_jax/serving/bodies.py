@@ -2,12 +2,16 @@
 
 - `application/json`: `{"user_dense": [...], "history": [...], "cand_items":
   [...], "cand_dense": [[...], ...]}`, numbers as text.
-- `application/msgpack`: a map of the same four fields, each a msgpack `bin`
-  holding the array's bytes, little-endian: `user_dense` and `cand_dense`
-  float32 (`cand_dense` row-major, `config.cand_dense` per candidate),
-  `history` and `cand_items` int32. Read straight into NumPy arrays with no
-  number parsed, it is the fast path (Triton's binary tensor data and
-  TF-Serving's `tensor_content` are the same idea).
+- `application/msgpack`: a map of the same four fields, each a typed array
+  `{"dtype": ..., "shape": [...], "data": bin}`: `dtype` in NumPy's
+  array-interface form, byte order included (`"<f4"` for `user_dense` and
+  `cand_dense`, `"<i4"` for `history` and `cand_items`), `shape` its
+  dimensions (`cand_dense` is `[n, config.cand_dense]`, row-major) and `data`
+  the bytes. An array of any other dtype or byte order, or whose bytes do not
+  fill its shape, is refused: bare bytes would let a float64 or int64 array
+  whose length happens to fit be read as float32/int32 and scored (Triton's
+  binary tensors carry their datatype and shape the same way). Read straight
+  into NumPy arrays with no number parsed, it is the fast path.
 
 Both are decoded and type-checked in one pass by msgspec (C): a wrong body is a
 `BodyError` that names the field. Values (ids in range, finite features, shapes
@@ -15,6 +19,8 @@ against the model) are `Request.validated`'s to check.
 """
 
 from __future__ import annotations
+
+import math
 
 import msgspec
 import numpy as np
@@ -44,12 +50,17 @@ class _JsonBody(msgspec.Struct, forbid_unknown_fields=True):
   cand_dense: list[list[float]]
 
 
+class _Array(msgspec.Struct, forbid_unknown_fields=True):
+  dtype: str
+  shape: list[int]
+  data: memoryview  # a view into the body, not a copy; NumPy reads it in place
+
+
 class _MsgpackBody(msgspec.Struct, forbid_unknown_fields=True):
-  # Views into the body, not copies; NumPy reads them in place.
-  user_dense: memoryview
-  history: memoryview
-  cand_items: memoryview
-  cand_dense: memoryview
+  user_dense: _Array
+  history: _Array
+  cand_items: _Array
+  cand_dense: _Array
 
 
 # A typed decoder bounds what a body can make the server do: only the schema's depth,
@@ -80,24 +91,33 @@ def decode(content_type: str, body: bytes, config: RankerConfig, max_candidates:
 def _arrays(decoded: _MsgpackBody, config: RankerConfig) -> dict[str, np.ndarray]:
   fields = {}
   for name, dtype in _DTYPES.items():
-    raw = getattr(decoded, name)
-    if raw.nbytes % dtype.itemsize:
-      raise BodyError(400, f"{name} has {raw.nbytes} bytes, not a whole number of "
-                           f"{dtype.itemsize}-byte {dtype.name} values")
-    fields[name] = np.frombuffer(raw, dtype)
-  dense, n = fields["cand_dense"], fields["cand_items"].size
-  if dense.size != n * config.cand_dense:
-    raise BodyError(400, f"cand_dense has {dense.size} float32 values; {n} candidates of "
-                         f"{config.cand_dense} features need {n * config.cand_dense}")
-  fields["cand_dense"] = dense.reshape(n, config.cand_dense)
+    array = getattr(decoded, name)
+    if array.dtype != dtype.str:
+      raise BodyError(400, f"{name} has dtype {array.dtype!r}; it must be {dtype.str!r} "
+                           f"({'little-endian ' + dtype.name})")
+    rank = 2 if name == "cand_dense" else 1
+    if len(array.shape) != rank or min(array.shape) < 0:
+      raise BodyError(400, f"{name} has shape {array.shape}; it must have {rank} "
+                           f"non-negative dimension{'s' if rank > 1 else ''}")
+    if array.data.nbytes != math.prod(array.shape) * dtype.itemsize:
+      raise BodyError(400, f"{name} has {array.data.nbytes} bytes; shape {array.shape} of "
+                           f"{dtype.name} needs {math.prod(array.shape) * dtype.itemsize}")
+    fields[name] = np.frombuffer(array.data, dtype).reshape(array.shape)
+  n = fields["cand_items"].size
+  if fields["cand_dense"].shape != (n, config.cand_dense):
+    raise BodyError(400, f"cand_dense has shape {list(fields['cand_dense'].shape)}; {n} "
+                         f"candidates of {config.cand_dense} features need "
+                         f"{[n, config.cand_dense]}")
   return fields
 
 
 def encode(request: Request, content_type: str = JSON) -> bytes:
   """`request` as a body of `content_type` (what a client sends)."""
   if content_type == MSGPACK:
-    return msgspec.msgpack.encode({f: np.ascontiguousarray(getattr(request, f), dtype).tobytes()
-                                   for f, dtype in _DTYPES.items()})
+    arrays = {f: np.ascontiguousarray(getattr(request, f), dtype) for f, dtype in _DTYPES.items()}
+    return msgspec.msgpack.encode({
+        f: dict(dtype=a.dtype.str, shape=list(a.shape), data=a.tobytes())
+        for f, a in arrays.items()})
   if content_type == JSON:
     return msgspec.json.encode({f: np.asarray(getattr(request, f)).tolist() for f in FIELDS})
   raise ValueError(f"content_type must be one of {CONTENT_TYPES}, got {content_type!r}")

@@ -1,7 +1,7 @@
 """The HTTP endpoint (Starlette): `POST /score` takes one request, returns its scores.
 
     {"user_dense": [...], "history": [...], "cand_items": [...], "cand_dense": [[...], ...]}
-    (JSON, or msgpack with each field's raw little-endian bytes: `serving.bodies`)
+    (JSON, or msgpack with each field a typed array of raw bytes: `serving.bodies`)
     -> 200 {"scores": [...]}   click probabilities, in candidate order
     -> 400 {"error": "..."}    this request is malformed (names the field and the values)
     -> 408                     its body did not arrive within `HttpLimits.body_timeout_s`
@@ -154,13 +154,14 @@ async def _score_route(http_request: HttpRequest) -> Response:
           type: object
           required: [user_dense, history, cand_items, cand_dense]
           additionalProperties: false
-          description: the same fields, each a msgpack bin of the array's little-endian bytes
+          description: >-
+            the same fields, each a typed array {dtype, shape, data}: dtype in NumPy's
+            array-interface form with its byte order, data a msgpack bin of the bytes
           properties:
-            user_dense: {type: string, format: binary, description: "float32[user_dense]"}
-            history: {type: string, format: binary, description: "int32[L]"}
-            cand_items: {type: string, format: binary, description: "int32[n]"}
-            cand_dense: {type: string, format: binary,
-                         description: "float32[n, cand_dense], row-major"}
+            user_dense: {type: object, description: "dtype '<f4', shape [user_dense]"}
+            history: {type: object, description: "dtype '<i4', shape [L]"}
+            cand_items: {type: object, description: "dtype '<i4', shape [n]"}
+            cand_dense: {type: object, description: "dtype '<f4', shape [n, cand_dense], row-major"}
   responses:
     200: {description: "{scores: [...]}, one probability per candidate"}
     400: {description: malformed (the error names the field)}

@@ -148,7 +148,8 @@ def _attention_problem(case: AttentionCase, interpret: bool) -> Problem:
   index = case.mapping.index(np.random.default_rng(case.seed))
   kv_len = jnp.asarray(case.kv_len, jnp.int32)
   scale = 1 / np.sqrt(d)
-  q, k = _peaked(case, jax.random.fold_in(jax.random.key(case.seed), 7), index, _normal(keys[0], (b, t, h, d), jnp.float32),
+  peak_key = jax.random.fold_in(jax.random.key(case.seed), 7)
+  q, k = _peaked(case, peak_key, index, _normal(keys[0], (b, t, h, d), jnp.float32),
                  _normal(keys[1], (u, s, h, d), jnp.float32))
   q, k, v = q.astype(case.dtype), k.astype(case.dtype), _normal(keys[2], (u, s, h, d), case.dtype)
   lse_cotangent = jax.random.normal(keys[3], (b, t, h), jnp.float32)

@@ -37,7 +37,7 @@ class KernelBackend:
 
 
 def output_cotangent_dot(out, d_out, d_lse):
-  """`(delta0, d_lse)`, float32 `[B, T, H]`: FlashAttention's estimate of what every backward subtracts.
+  """`(delta0, d_lse)`, float32 `[B, T, H]`: FlashAttention's estimate of what backwards subtract.
 
   The softmax backward subtracts `delta = sum_j p_j dp_j - d_lse` from
   `dp = d_out v^T` (`d lse / d logits = p`, so the lse's cotangent enters as
