@@ -31,6 +31,8 @@ PRODUCERS = {
     "target_attention": "benchmarks/target_attention.py",
     "self_target_attention": "benchmarks/self_target_attention.py",
     "attention_diagnostics": "benchmarks/attention_diagnostics.py",
+    "attention_precision": "benchmarks/attention_precision.py",
+    "gpu_gate": "benchmarks/gpu_run.sh steps and probes of one device session (summarized by hand)",
     "attention_profile": "the attention profiler (removed; git history at 96ba4de)",
     "ranking_system": "benchmarks/ranking_system.py",
     "serving_profile": "benchmarks/serving_profile.py",
