@@ -174,6 +174,9 @@ def test_bad_clients_get_a_status_and_no_traceback(caplog):
     nan = post(json={**body, "cand_items": [299] + body["cand_items"][1:]})
     assert nan.status_code == 422 and "not finite" in nan.json()["error"]
     assert post(json=body, headers={"x-timeout-ms": "soon"}).status_code == 400
+    for forever in ("1e12", "inf", "0", "-5"):
+      refused = post(json=body, headers={"x-timeout-ms": forever})
+      assert refused.status_code == 400 and "(0, 60000]" in refused.json()["error"], refused.text
     for status, response in cases.items():
       assert response.status_code == status, (status, response.text)
       assert response.json()["error"]

@@ -52,10 +52,11 @@ _ONE_KEY_NO_LSE = sweep.AttentionCase(seed=12, mapping=sweep.Mapping(3, 40, 1, F
                                       dtype="bfloat16", lse_cotangent=False)
 
 
+# (A one-key history cancels exactly under the interpreter, whose output equals the value
+# row and whose products are exact: only the peaked case can fail there.)
 @pytest.mark.parametrize("implementation", ["triton", "mosaic_gpu"])
-@pytest.mark.parametrize("case", [_PEAKED, _ONE_KEY_NO_LSE], ids=["peaked", "one_key_no_lse"])
-def test_interpret_backward_where_the_softmax_is_one_hot(case, implementation):
-  sweep.assert_passes(case, (implementation,), interpret=True)
+def test_interpret_backward_where_the_softmax_is_one_hot(implementation):
+  sweep.assert_passes(_PEAKED, (implementation,), interpret=True)
 
 
 @pytest.mark.gpu

@@ -57,6 +57,8 @@ class HttpLimits:
     max_body_bytes: the largest body read (413 beyond).
     max_candidates: the most candidates in one request (413 beyond).
     body_timeout_s: how long the body may take to arrive (408 beyond).
+    max_timeout_ms: the longest deadline `X-Timeout-Ms` may ask for (400 beyond): a
+      request that may wait for ever holds its slot and memory for ever.
     retry_after_s: the `Retry-After` of a 429 or 503.
     max_active: `POST /score` requests being read, parsed or scored at once; one
       more is answered 429 before its body is read. The batcher's bounds hold
@@ -67,6 +69,7 @@ class HttpLimits:
   max_body_bytes: int = 8 << 20
   max_candidates: int = 8192
   body_timeout_s: float = 10.0
+  max_timeout_ms: float = 60_000.0
   retry_after_s: int = 1
   max_active: int = 256
 
@@ -269,7 +272,7 @@ async def _score(http_request: HttpRequest, limits: HttpLimits, arrived: float) 
   batcher: Batcher | None = http_request.app.state.batcher
   if batcher is None:
     raise _Refusal(503, "the model is still compiling; retry later", retry=True)
-  timeout_ms = (_timeout_ms(http_request.headers.get("x-timeout-ms"))
+  timeout_ms = (_timeout_ms(http_request.headers.get("x-timeout-ms"), limits.max_timeout_ms)
                 or batcher.config.default_timeout_ms)
   content_type = http_request.headers.get("content-type", "").split(";")[0].strip().lower()
   if content_type not in bodies.CONTENT_TYPES:
@@ -322,15 +325,16 @@ async def _read_body(http_request: HttpRequest, limits: HttpLimits) -> bytes:
     raise _Refusal(408, f"the body did not arrive within {limits.body_timeout_s} s") from None
 
 
-def _timeout_ms(header: str | None) -> float | None:
+def _timeout_ms(header: str | None, most: float) -> float | None:
   if header is None:
     return None
   try:
     value = float(header)
   except ValueError:
     value = float("nan")
-  if not 0 < value < float("inf"):
-    raise _Refusal(400, f"X-Timeout-Ms must be a positive number of milliseconds, got {header!r}")
+  if not 0 < value <= most:
+    raise _Refusal(400, f"X-Timeout-Ms must be a number of milliseconds in (0, {most:g}], got "
+                        f"{header!r}")
   return value
 
 
