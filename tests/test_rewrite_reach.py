@@ -145,3 +145,15 @@ def test_take_along_axis_of_user_rows_by_the_mapping():
   args = (_normal(0, U, 8), IDS.at[2].set(U + 1), _normal(1, B, 5), _normal(2, 8, 5))
   report = check_rewrite(model, args, mapping=1, users=0)
   assert report.count("broadcast") == 1 and _materialized_at(report) == ["mul"], str(report)
+
+
+@pytest.mark.parametrize("keepdims", [False, True])
+def test_vmap_of_dynamic_index_in_dim_is_a_broadcast(keepdims):
+  """A per-candidate lookup of its user's row, written with `vmap`."""
+  def model(user, ids, cand, w):
+    rows = jax.vmap(lambda i: jax.lax.dynamic_index_in_dim(user, i, keepdims=keepdims))(ids)
+    return jnp.tanh(rows.reshape(ids.shape[0], -1) @ w) * cand
+  args = (_normal(0, U, 8), IDS.at[3].set(U + 2).at[4].set(-1), _normal(1, B, 5),
+          _normal(2, 8, 5))
+  report = check_rewrite(model, args, mapping=1, users=0)
+  assert report.count("broadcast") == 1 and _materialized_at(report) == ["mul"], str(report)

@@ -51,13 +51,12 @@ def gather(rw, eqn, operands):
     return None
   if not (operand.at_u or indices.mapped):  # an embedding lookup by candidate ids stays one
     return None
-  dn, value = eqn.params["dimension_numbers"], operand.value
-  rank = np.ndim(value)
-  if (np.ndim(indices.value) != 2 or np.shape(indices.value)[1] != 1
-      or dn.collapsed_slice_dims != (0,) or dn.start_index_map != (0,)
-      or dn.offset_dims != tuple(range(1, rank)) or dn.operand_batching_dims
-      or tuple(eqn.params["slice_sizes"]) != (1, *np.shape(value)[1:])):
+  value = operand.value
+  keeps_axis = _reads_whole_rows(eqn, np.shape(indices.value), np.shape(value))
+  if keeps_axis is None:
     return None
+  if keeps_axis:  # the row axis stays, as a size-1 axis after the candidate axis
+    value = value[:, None]
   num_users = np.shape(value)[0]
   mode = eqn.params["mode"] if not _within(indices, num_users) else GatherScatterMode.CLIP
   ids, rows = rw.memo(("rows", num_users, mode), indices.value,
@@ -65,6 +64,30 @@ def gather(rw, eqn, operands):
   user = jnp.concatenate([value, *_extra_rows(value, mode, eqn.params["fill_value"])])
   rw.report.add("broadcast", eqn, bytes_saved=nbytes(eqn.outvars[0].aval))
   return [Broadcast(jnp.take(user, rows, axis=0, mode="clip"), ids, 0)]
+
+
+def _reads_whole_rows(eqn, indices_shape, value_shape) -> bool | None:
+  """Whether the gather reads whole rows `value[indices[:, 0]]`; then whether it keeps their axis.
+
+  `take(user, ids, axis=0)` and `user[ids]` index one axis and collapse it.
+  `vmap` of `dynamic_index_in_dim` indexes every axis, with starts of 0 on the
+  others, and keeps the row axis: a start on an axis that is sliced whole is
+  clamped to 0 in "clip" mode, forward and transpose alike, whatever it is.
+  None for any other gather.
+  """
+  dn, sizes = eqn.params["dimension_numbers"], tuple(eqn.params["slice_sizes"])
+  rank, starts = len(value_shape), dn.start_index_map
+  if (len(indices_shape) != 2 or indices_shape[1] != len(starts) or not starts
+      or starts[0] != 0 or dn.operand_batching_dims or sizes != (1, *value_shape[1:])):
+    return None
+  if len(starts) > 1 and (eqn.params["mode"] != GatherScatterMode.CLIP
+                          or len(set(starts)) != len(starts)):
+    return None
+  if dn.collapsed_slice_dims == (0,) and dn.offset_dims == tuple(range(1, rank)):
+    return False
+  if dn.collapsed_slice_dims == () and dn.offset_dims == tuple(range(1, rank + 1)):
+    return True
+  return None
 
 
 def _exact_ids(ids, num_users: int, mode):
