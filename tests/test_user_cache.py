@@ -198,7 +198,12 @@ def test_the_cache_over_http_reports_flushes_and_is_in_the_metrics(models):
     metrics = client.get("/metrics").text
     assert f"ikbo_cache_hits_total {report['hits']:.1f}" in metrics
     assert "ikbo_cache_entries 1.0" in metrics
-    assert client.post("/cache/flush").json()["entries"] == 0
+    # A cross-site form could send this one; the flush takes JSON only.
+    refused = client.post("/cache/flush", content=b"x", headers={"content-type": "text/plain"})
+    assert refused.status_code == 415 and "application/json" in refused.json()["error"]
+    assert client.get("/cache").json()["entries"] == 1
+    flushed = client.post("/cache/flush", json={})
+    assert flushed.status_code == 200 and flushed.json()["entries"] == 0
   with (loopback.serving(create_app(oracle)) as served_at,
         httpx.Client(base_url=served_at.url, timeout=30) as client):
     response = client.get("/cache")

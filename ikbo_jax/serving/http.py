@@ -234,10 +234,20 @@ def _cached_model(http_request: HttpRequest) -> CachedModel:
 
 
 async def _cache(http_request: HttpRequest) -> JSONResponse:
-  """`GET /cache`: the user-state cache's size and use; `POST /cache/flush` empties it."""
+  """`GET /cache`: the user-state cache's size and use; `POST /cache/flush` empties it.
+
+  The flush changes state, so it takes `Content-Type: application/json` only: a browser
+  sends that cross-site only after a CORS preflight, which this server never grants, so a
+  page elsewhere cannot make a visitor's browser flush the cache (a form's `text/plain`
+  POST is refused with 415).
+  """
   try:
     model = _cached_model(http_request)
     if http_request.method == "POST":
+      content_type = http_request.headers.get("content-type", "").split(";")[0].strip()
+      if content_type != bodies.JSON:
+        raise _Refusal(415, f"POST /cache/flush takes Content-Type: {bodies.JSON} (a request a "
+                            f"browser cannot send cross-site unasked), got {content_type!r}")
       await asyncio.to_thread(model.flush)
     return JSONResponse(model.report())
   except _Refusal as refusal:
