@@ -111,12 +111,7 @@ def verify(directory, step: int) -> str | None:
 def set_aside(directory, step: int, reason: str) -> pathlib.Path:
   """Moves step `step` under `rejected/` (out of orbax's sight) with why; returns where."""
   source = step_dir(directory, step)
-  stamp = time.strftime("%Y%m%dT%H%M%S")
-  target = source.parent / REJECTED / f"{step}-{stamp}"
-  for n in range(1, 1000):
-    if not target.exists():
-      break
-    target = source.parent / REJECTED / f"{step}-{stamp}-{n}"
+  target = source.parent / REJECTED / f"{step}-{time.time_ns()}"  # a step may fail twice
   target.parent.mkdir(exist_ok=True)
   source.rename(target)
   (target / "reason.txt").write_text(reason + "\n")
@@ -155,8 +150,6 @@ def restore_newest(checkpoints: ocp.CheckpointManager, directory, restore: Calla
     if set_aside_failures:
       problem += f" (moved to {set_aside(directory, candidate, problem)})"
     failures.append(problem)
-  if set_aside_failures:
-    checkpoints.reload()
   raise CheckpointError(f"no checkpoint under {directory} verifies: " + "; ".join(failures))
 
 

@@ -16,10 +16,10 @@ floating-point sum ever depends on arrival order:
   atomic add has one writer per element).
 
 A one-hot GEMM multiplies every row by every user's 0 or 1, and `0 * NaN` is
-NaN: one non-finite candidate row would reach every user's sum. So the GEMMs
-run on the finite values, and only when some value is not finite
-(`lax.cond`) do counts of the NaN, +Inf and -Inf per user and element put
-back what a plain sum of that user's rows gives there.
+NaN: one non-finite candidate row would reach every user's sum. So only when
+some value is not finite (`lax.cond`) does the GEMM run on the finite values,
+and counts of the NaN, +Inf and -Inf per user and element put back what a
+plain sum of that user's rows gives there.
 """
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ def one_hot_sum(one_hot, x):
   gemm = lambda v: jnp.einsum("sc,c...->s...", one_hot.astype(v.dtype), v,
                               preferred_element_type=_F32, precision=_HIGHEST)
   finite = jnp.isfinite(x)
-  total = gemm(jnp.where(finite, x, jnp.zeros((), x.dtype)))
 
-  def with_non_finite(total):
+  def with_non_finite():
+    total = gemm(jnp.where(finite, x, jnp.zeros((), x.dtype)))
     holds = lambda mask: gemm(mask.astype(_F32)) > 0
     nan, pos, neg = holds(jnp.isnan(x)), holds(x == jnp.inf), holds(x == -jnp.inf)
     return jnp.where(nan | (pos & neg), jnp.nan,
                      jnp.where(pos, jnp.inf, jnp.where(neg, -jnp.inf, total)))
 
-  return jax.lax.cond(jnp.all(finite), lambda t: t, with_non_finite, total)
+  return jax.lax.cond(jnp.all(finite), lambda: gemm(x), with_non_finite)
 
 
 def add_sorted_chunk(total, rows, ids):

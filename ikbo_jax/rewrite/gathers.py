@@ -55,13 +55,13 @@ def gather(rw, eqn, operands):
   keeps_axis = _reads_whole_rows(eqn, np.shape(indices.value), np.shape(value))
   if keeps_axis is None:
     return None
-  if keeps_axis:  # the row axis stays, as a size-1 axis after the candidate axis
-    value = value[:, None]
   num_users = np.shape(value)[0]
   mode = eqn.params["mode"] if not _within(indices, num_users) else GatherScatterMode.CLIP
   ids, rows = rw.memo(("rows", num_users, mode), indices.value,
                       lambda i: _exact_ids(i[:, 0], num_users, mode))
-  user = jnp.concatenate([value, *_extra_rows(value, mode, eqn.params["fill_value"])])
+  # The rows as the gather reads them; the row axis may stay, as a size-1 axis.
+  user = jnp.concatenate([value[:, None] if keeps_axis else value,
+                          *_extra_rows(eqn, value, mode)])
   rw.report.add("broadcast", eqn, bytes_saved=nbytes(eqn.outvars[0].aval))
   return [Broadcast(jnp.take(user, rows, axis=0, mode="clip"), ids, 0)]
 
@@ -111,26 +111,17 @@ def _exact_ids(ids, num_users: int, mode):
   return ids, jnp.where(read, jnp.arange(num_rows, dtype=jnp.int32), ids[0])
 
 
-def _extra_rows(value, mode, fill_value) -> list:
-  """The rows that out-of-range ids read under `mode`, after the user rows."""
+def _extra_rows(eqn, value, mode) -> list:
+  """The rows that out-of-range ids read under `mode` (a collapsing gather's), after the user rows.
+
+  A fill gather's is the gather itself at an out-of-range id, whatever its fill value.
+  """
   if mode == GatherScatterMode.CLIP:
     return []
   if mode == GatherScatterMode.FILL_OR_DROP:
-    return [jnp.full((1, *value.shape[1:]), _fill(value.dtype, fill_value), value.dtype)]
+    return [eqn.primitive.bind(value, jnp.full((1, 1), np.shape(value)[0], jnp.int32),
+                               **eqn.params)]
   return [jax.lax.stop_gradient(value[:1]), jax.lax.stop_gradient(value[-1:])]
-
-
-def _fill(dtype, fill_value):
-  """What a fill gather reads out of range (`lax.gather`'s defaults where `fill_value` is None)."""
-  if fill_value is not None:
-    return fill_value
-  if jnp.issubdtype(dtype, jnp.inexact):
-    return jnp.nan
-  if jnp.issubdtype(dtype, jnp.signedinteger):
-    return jnp.iinfo(dtype).min
-  if jnp.issubdtype(dtype, jnp.unsignedinteger):
-    return jnp.iinfo(dtype).max
-  return True
 
 
 def _lookup_of_broadcast_ids(rw, eqn, operand, indices):

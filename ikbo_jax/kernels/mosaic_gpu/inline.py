@@ -79,6 +79,20 @@ def row_sums_in_thread(x: jnp.ndarray) -> jnp.ndarray:
   return partial_sums(x)
 
 
+def partial_row_sums(x: jnp.ndarray, interpret: bool) -> jnp.ndarray:
+  """Row sums of `x [64, N]` to accumulate across blocks, `finish_row_sums` once at the end.
+
+  On the GPU each thread keeps partial sums (`row_sums_in_thread`), its lanes
+  exchanged once; the interpreter sums whole rows.
+  """
+  return x.sum(axis=1) if interpret else row_sums_in_thread(x)
+
+
+def finish_row_sums(partials: jnp.ndarray, interpret: bool) -> jnp.ndarray:
+  """The whole row sums from accumulated `partial_row_sums`."""
+  return partials if interpret else sum_row_partials(partials)
+
+
 def sum_row_partials(partials: jnp.ndarray) -> jnp.ndarray:
   """Adds up `row_sums_in_thread` partials across the lanes of each row (replicated again)."""
 

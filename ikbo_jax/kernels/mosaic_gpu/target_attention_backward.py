@@ -99,15 +99,6 @@ def _accumulate_both(accs, lhs, b_smem, interpret: bool):
   return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs))
 
 
-def _row_sums(x, interpret: bool):
-  """Partial row sums of `x [64, N]` (`_finish_row_sums` adds the lanes' partials up)."""
-  return x.sum(axis=1) if interpret else inline.row_sums_in_thread(x)
-
-
-def _finish_row_sums(partials, interpret: bool):
-  return partials if interpret else inline.sum_row_partials(partials)
-
-
 def _row_vector(ref, axis: int):
   """A `[64]` float32 vector from shared memory, laid out along `axis` of a WGMMA tile."""
   return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1 - axis))
@@ -187,7 +178,7 @@ def _dq_kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_r
       dq, pk = _accumulate_both((dq, pk), (ds.astype(k_smem.dtype), p.astype(k_smem.dtype)),
                                 k_smem.at[slot], interpret)
       plgpu.barrier_arrive(kv_consumed.at[slot])
-      return dq, pk, ds_sums + _row_sums(ds, interpret)
+      return dq, pk, ds_sums + inline.partial_row_sums(ds, interpret)
 
     zeros = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, head_dim), _F32), plgpu.Layout.WGMMA)
     no_sums = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), _F32), plgpu.Layout.WGMMA.reduce(1))
@@ -196,7 +187,8 @@ def _dq_kernel(tile_user_ref, tile_kv_len_ref, cands_ref, num_valid_ref, piece_r
                           (zeros, zeros, no_sums))
     dq, pk, ds_sums = lax.fori_loop(full_steps, kv_steps, functools.partial(step, masked=True),
                                     carry)
-    error = delta_error(_finish_row_sums(ds_sums, interpret), _row_vector(d_lse_smem.at[wg], 0))
+    error = delta_error(inline.finish_row_sums(ds_sums, interpret),
+                        _row_vector(d_lse_smem.at[wg], 0))
     dq = dq - lax.broadcast_in_dim(error, dq.shape, [0]) * pk
     # The queries and delta0 are no longer read: their buffers take the results.
     q_smem.at[wg][...] = (dq * scale).astype(q_smem.dtype)
@@ -340,8 +332,9 @@ def backward(q, k, v, d_out, lse2, delta, d_lse, tiles: QueryTiles, tile_kv_len,
   transforms = smem_transforms(head_dim, dtype)
   rows = lambda *lead: plgpu.SMEM((*lead, BLOCK_ROWS, head_dim), dtype, transforms=transforms)
   vector = lambda *lead: plgpu.SMEM((*lead, BLOCK_ROWS), _F32)
-  # q and d_out slot by slot; lse, delta0 (and d_lse for dq) whole.
-  dkv_copies = 2 * tiles.cands_per_block + 2
+  # Each block's q and d_out arrive slot by slot, its vectors whole: lse and delta
+  # (and, for dq, d_lse).
+  slot_copies = 2 * tiles.cands_per_block
   # A TMA copy into shared memory must start 128-byte aligned, and a slot's
   # lse (T' float32s) may not: the vectors are gathered into the tiles' row
   # order here (B * T * H floats), so that a block takes each in one copy.
@@ -365,7 +358,7 @@ def backward(q, k, v, d_out, lse2, delta, d_lse, tiles: QueryTiles, tile_kv_len,
                                    config=config, interpret=interpret),
         (rows(NUM_CONSUMERS), rows(NUM_CONSUMERS), vector(NUM_CONSUMERS), vector(NUM_CONSUMERS),
          vector(NUM_CONSUMERS), kv_block(), kv_block()),
-        (plgpu.Barrier(num_arrivals=dkv_copies + 1, num_barriers=NUM_CONSUMERS),
+        (plgpu.Barrier(num_arrivals=slot_copies + 3, num_barriers=NUM_CONSUMERS),
          plgpu.Barrier(num_barriers=dq_stages), plgpu.Barrier(num_barriers=dq_stages),
          plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=dq_stages)),
         collective_axes="wg")
@@ -387,7 +380,7 @@ def backward(q, k, v, d_out, lse2, delta, d_lse, tiles: QueryTiles, tile_kv_len,
         (rows(NUM_CONSUMERS), rows(NUM_CONSUMERS), rows(dkv_stages), rows(dkv_stages),
          vector(dkv_stages), vector(dkv_stages)),
         (plgpu.Barrier(num_arrivals=2, num_barriers=NUM_CONSUMERS),
-         plgpu.Barrier(num_arrivals=dkv_copies, num_barriers=dkv_stages),
+         plgpu.Barrier(num_arrivals=slot_copies + 2, num_barriers=dkv_stages),
          plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=dkv_stages)),
         collective_axes="wg")
 

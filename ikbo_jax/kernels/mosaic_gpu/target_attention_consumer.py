@@ -214,9 +214,8 @@ class _ItemPass:
       m_new = jnp.maximum(m_i, block_max)
     alpha = jnp.exp2(m_i - m_new)
     p = jnp.exp2(logits * (c.scale * LOG2E) - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-    # On the GPU each thread keeps partial row sums (lanes exchanged once per
-    # item); the interpreter sums whole rows.
-    l_i = l_i * alpha + (p.sum(axis=1) if c.interpret else inline.row_sums_in_thread(p))
+    # Partial row sums, their lanes exchanged once per item (in the epilogue).
+    l_i = l_i * alpha + inline.partial_row_sums(p, c.interpret)
     return p, m_new, l_i, alpha
 
   def rescale(self, acc, alpha):
@@ -265,8 +264,7 @@ class _ItemPass:
     """Normalizes the finished rows and stores them (and the lse) by index."""
     c, refs, item = self.c, self.c.refs, self.item
     with jax.named_scope("epilogue"):
-      if not c.interpret:
-        l_i = inline.sum_row_partials(l_i)
+      l_i = inline.finish_row_sums(l_i, c.interpret)
       # A user with no valid key has l == 0: write zeros rather than 0/0.
       l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
       # One reciprocal per row and a multiply per element: a division per
