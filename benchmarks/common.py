@@ -22,8 +22,17 @@ def median_ms(fn, *args, iterations: int = 30) -> tuple[float, str]:
       _, times = profiler.measure(fn, iterations=iterations)(*args)
       if times:
         return statistics.median(times), "cupti"
-    except Exception as e:  # CUPTI unavailable: fall back, and say so in the result.
-      print(f"cupti timing failed ({type(e).__name__}: {e}); using wall clock")
+    except Exception as e:  # noqa: BLE001 - every failure is reported and measured around
+      # One call's kernels can finish interleaved with the next call's (a program with
+      # concurrent streams): then each call is measured alone, which cannot interleave. Its
+      # kernels' summed time bounds the call's device time from above where streams overlap.
+      print(f"cupti timing over {iterations} calls failed ({e}); measuring one call at a time")
+      try:
+        times = [profiler.measure(fn)(*args)[1] for _ in range(iterations)]
+        if all(times):
+          return statistics.median(times), "cupti_per_call"
+      except Exception as e:  # CUPTI unavailable: fall back, and say so in the result.
+        print(f"cupti timing failed ({type(e).__name__}: {e}); using wall clock")
   times = []
   for _ in range(iterations):
     start = time.perf_counter()

@@ -3,11 +3,11 @@
 # the call is cut short), then GPU tests, the demo and the linear-compression diagnostics. Results go to $OUT.
 # Set IKBO_COMMIT (the device copy has no .git). STEPS picks what runs, by default
 # "lc attention self_target tests demo diagnostics"; also "gate" (first in a session's first
-# call: every GPU test of the kernels, then the rewrite's tests; GATE_WORKERS pytest processes
-# share the GPU, since compiling dominates; each result line, and each sweep failure in full,
-# lands in $OUT as it happens; a test module whose packages the image lacks is reported and
-# the others run: carry .whl for the serving ones), "sweep" (the randomized correctness
-# sweep and the regression tests, failures in full), "soak" (tools/soak.py for SOAK_MINUTES),
+# call, "sweep" in the next: every GPU test but the randomized sweep, then the rewrite's tests;
+# GATE_WORKERS pytest processes share the GPU, since compiling dominates; each result line,
+# and each failure in full, lands in $OUT as it happens; a test module whose packages the
+# image lacks is reported and the others run: carry .whl for the serving ones), "sweep" (the
+# randomized correctness sweep and the regression tests, failures in full), "soak" (tools/soak.py for SOAK_MINUTES),
 # "system" (the ranking system benchmark and the main job at the benchmark preset),
 # "serving" (checkpoint cost, the serving ladder three times, a profiler trace under load),
 # "host_path" (variants of a call's transfer, execution and fetch),
@@ -49,7 +49,8 @@ fi
 if has gate; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false IKBO_FAILURE_LOG="$OUT/gate_failures.log" \
     timeout "${GATE_TIMEOUT:-420}" python3 -m pytest -p no:cacheprovider -m gpu -rf \
-    --tb=line -n "${GATE_WORKERS:-6}" -v --continue-on-collection-errors tests 2>&1 \
+    --tb=line -n "${GATE_WORKERS:-6}" -v --continue-on-collection-errors tests \
+    --ignore=tests/test_gpu_sweep.py 2>&1 \
     | tee "$OUT/gate.log" \
     | grep -E "FAILED|ERROR|passed|failed" | cut -c1-400 | tail -n 40
   JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 \
@@ -116,7 +117,8 @@ if has tests; then
 fi
 if has sweep; then
   # -s: the sweep prints each failure as it happens, so a run cut by its limit keeps them.
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -s -p no:cacheprovider -m gpu --tb=line -rf \
+  IKBO_FAILURE_LOG="$OUT/sweep_failures.log" \
+    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -s -p no:cacheprovider -m gpu --tb=line -rf \
     tests/test_gpu_sweep.py tests/test_target_attention_backward.py \
     tests/test_attention_padding_and_nan.py 2>&1 | tee "$OUT/gpu_sweep.log" \
     | grep -E "FAIL |^FAILED|passed|failed" | cut -c1-400

@@ -7,8 +7,6 @@ repeatability. `tools/soak.py` runs many more. On a CPU the same machinery
 runs the XLA implementations on smaller cases (`test_sweep.py`).
 """
 
-import os
-
 import pytest
 
 from ikbo_jax.testing import sweep
@@ -24,11 +22,7 @@ def test_gpu_sweep(op, seed):
   results = sweep.run_case(case)
   assert results, f"no implementation supports {case}"
   failures = [r.describe() for r in results if not r.ok]
-  # Printed now as well: under `pytest -s` (or, with several workers, in the file that
-  # IKBO_FAILURE_LOG names) a run cut short by a time limit keeps them.
+  # Printed now as well: under `pytest -s` a run cut short by a time limit keeps them.
   for failure in failures:
     print(failure, flush=True)
-    if os.environ.get("IKBO_FAILURE_LOG"):
-      with open(os.environ["IKBO_FAILURE_LOG"], "a") as log:
-        log.write(failure + "\n")
   assert not failures, "\n".join(failures)
