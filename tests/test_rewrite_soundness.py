@@ -100,6 +100,27 @@ def test_grouped_query_attention_through_the_marker():
   assert report.count("target_attention") == 1, str(report)
 
 
+def test_keys_past_a_length_get_no_gradient_even_from_a_nan_cotangent():
+  """Keys past a user's length hold Inf and one candidate's output cotangent is NaN.
+
+  A key past the length is never read: its gradient is zero in the original as in the
+  IKBO kernel (before, the original's `0 * NaN` made it NaN and the rewrite's did not).
+  """
+  def model(seq, ids, cand, lengths):
+    out = rewrite.attention(cand, seq[ids], seq[ids] * 0.5, lengths[ids])
+    return out * jnp.log(jnp.abs(cand[:, :1, :1, :1]))  # candidate 1's query is zero: log 0
+  lengths = jnp.array([12, 3, 5], jnp.int32)
+  seq = _normal(0, U, 12, 2, 8)
+  seq = jnp.where(jnp.arange(12)[None, :, None, None] < lengths[:, None, None, None], seq,
+                  jnp.inf)
+  args = (seq, IDS, _normal(2, B, 3, 2, 8).at[1].set(0.0), lengths)
+  report = check_rewrite(model, args, mapping=1, users=(0, 3), rtol=1e-4, atol=1e-5)
+  assert report.count("target_attention") == 1, str(report)
+  d_seq = jax.grad(lambda s: jnp.sum(jnp.sin(model(s, *args[1:]))))(seq)
+  past = np.arange(12)[None, :] >= np.asarray(lengths)[:, None]
+  np.testing.assert_array_equal(np.asarray(d_seq)[past], 0.0)
+
+
 @dataclasses.dataclass
 class Batch:
   user: jax.Array

@@ -26,6 +26,9 @@ def attention(q, k, v, kv_len=None, *, scale: float | None = None, causal: bool 
               implementation: str | None = None):
   """`jax.nn.dot_product_attention(q, k, v)` over keys `< kv_len[b]`, rows without keys zero.
 
+  Keys at or past `kv_len[b]` are never read: they do not reach the output whatever they
+  hold, and their gradients are exactly zero.
+
   Args:
     q: `[B, T, H, D]` queries.
     k: `[B, S, H, D]` keys.
@@ -46,6 +49,12 @@ def marked(causal: bool, scale: float | None, implementation: str | None):
   """The marked attention function for these options: a named `jit` of `jax.nn.dot_product_attention`."""
   def impl(q, k, v, kv_len=None):
     lengths = None if kv_len is None else jnp.maximum(kv_len, 1)
+    if kv_len is not None:
+      # Keys past a row's length are never read, in either direction: zeroed by a select,
+      # whatever they hold (a padding NaN or Inf) and whatever the output's cotangent is
+      # (a NaN one would otherwise reach them as 0 * NaN), as IKBO's kernels skip them.
+      valid = (jnp.arange(k.shape[1]) < kv_len[:, None])[:, :, None, None]
+      k, v = (jnp.where(valid, x, jnp.zeros((), x.dtype)) for x in (k, v))
     q_lengths = None if lengths is None else jnp.full(lengths.shape, q.shape[1], jnp.int32)
     out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
                                        query_seq_lengths=q_lengths,

@@ -28,13 +28,6 @@ from ikbo_jax.rewrite.report import Decline, Report
 from ikbo_jax.rewrite.values import materialize, Plain
 
 
-def _nested(rw, report=None, entered=None):
-  """A rewriter for a nested trace (its own shared subexpressions: tracers do not cross)."""
-  nested = type(rw)(rw.report if report is None else report)
-  nested.entered = rw.entered if entered is None else {**rw.entered, **entered}
-  return nested
-
-
 def _plain(v):
   return Plain(materialize(v), True)
 
@@ -52,19 +45,19 @@ def custom_jvp_call(rw, eqn, operands):
   jvp_closed, differentiable = _jvp_jaxpr(eqn)
 
   def primal_values(report, xs):
-    return _nested(rw, report).eval_jaxpr(closed.jaxpr, closed.consts, rebuild(xs))
+    return rw.nested(report).eval_jaxpr(closed.jaxpr, closed.consts, rebuild(xs))
 
   def jvp_values(report, xs, dxs, itself):
     primals = rebuild(xs)
     tangents = rebuild([dx if jnp.issubdtype(x.dtype, jnp.inexact) else x
                         for x, dx in zip(xs, dxs)])
-    outs = _nested(rw, report, {key: itself}).eval_jaxpr(
+    outs = rw.nested(report, {key: itself}).eval_jaxpr(
         jvp_closed.jaxpr, jvp_closed.consts, primals + [tangents[i] for i in differentiable])
     return outs[:len(eqn.outvars)], outs[len(eqn.outvars):]
 
   # The forms of the results, traced abstractly, decide whether the rule can be kept at U.
   forms = {}
-  by_primal = lambda ops: _nested(rw, Report()).eval_jaxpr(closed.jaxpr, closed.consts, ops)
+  by_primal = lambda ops: rw.nested(Report()).eval_jaxpr(closed.jaxpr, closed.consts, ops)
 
   def primal_form(*xs):
     results, forms["primal"] = closure.export(primal_values(Report(), xs), xs)
@@ -130,7 +123,7 @@ def checkpoint(rw, eqn, operands):
   structure = {}
 
   def body(*xs):
-    outs = _nested(rw).eval_jaxpr(jaxpr, (), rebuild(xs))
+    outs = rw.nested().eval_jaxpr(jaxpr, (), rebuild(xs))
     results, structure["out"] = closure.export(outs, xs)
     return results
 
@@ -149,7 +142,7 @@ def cond(rw, eqn, operands):
 
   def branch_fn(closed, report, as_plain):
     def fn(*xs):
-      outs = _nested(rw, report).eval_jaxpr(closed.jaxpr, closed.consts, rebuild(xs))
+      outs = rw.nested(report).eval_jaxpr(closed.jaxpr, closed.consts, rebuild(xs))
       return closure.export(outs, xs, materialize=_plain if as_plain else None)
     return fn
 

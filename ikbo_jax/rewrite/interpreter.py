@@ -8,7 +8,8 @@ or raises `Decline` with a reason; in both of the last cases, and if a rule
 fails in any other way, the equation runs exactly as written on materialized
 operands and the report says why. Nested `jit`s are evaluated inline; custom
 derivative rules, `checkpoint` and `cond` are entered with their semantics
-kept (`higher_order.py`).
+kept (`higher_order.py`), and `scan` bodies with carried broadcasts kept at U
+where the body allows it (`scan.py`).
 
 Integer equations on ordinary values are evaluated once per distinct input
 (common subexpressions are shared), so that every `x[ids]` of a program, each
@@ -27,7 +28,7 @@ from jax._src import source_info_util
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as P
 
-from ikbo_jax.rewrite import dense, gathers, higher_order, marker, rules
+from ikbo_jax.rewrite import dense, gathers, higher_order, marker, rules, scan
 from ikbo_jax.rewrite.report import Decline, Report
 from ikbo_jax.rewrite.values import LAZY, Broadcast, Concat, Plain, lineage, materialize
 
@@ -35,7 +36,7 @@ from ikbo_jax.rewrite.values import LAZY, Broadcast, Concat, Plain, lineage, mat
 # Keyed by primitive objects (see `rules.py`).
 _MAKERS = frozenset({P.broadcast_in_dim_p, P.iota_p, P.gather_p})
 _RULES = {**rules.RULES, **dense.RULES, P.gather_p: gathers.gather}
-_HIGHER_ORDER = {**higher_order.RULES}
+_HIGHER_ORDER = {**higher_order.RULES, **scan.RULES}
 _NOT_SHARED = frozenset({P.rng_uniform_p, P.rng_bit_generator_p, P.random_seed_p,
                          P.random_bits_p})
 
@@ -47,6 +48,12 @@ class Rewriter:
     self.report = report
     self.entered: dict = {}  # custom_jvp calls inside their own rules (`higher_order.py`)
     self._memo: dict = {}
+
+  def nested(self, report: Report | None = None, entered: dict | None = None) -> Rewriter:
+    """A rewriter for a nested trace: its own shared subexpressions (tracers do not cross)."""
+    inner = type(self)(self.report if report is None else report)
+    inner.entered = self.entered if entered is None else {**self.entered, **entered}
+    return inner
 
   def eval_jaxpr(self, jaxpr, consts, args):
     env = {}

@@ -9,8 +9,9 @@ custom rules (a straight-through estimator, a gradient clipper, a rule that is
 not row-wise), dense layers, reductions, reshapes and transposes, squeezes and
 casts, concatenations with candidate features before a dense layer, pairwise
 products of stacks, linear compression, attention through the marker (with
-grouped queries), nested `jit`, `checkpoint`, `cond`, `vmap` and `scan`, and a
-user value used both at U and broadcast. Inputs have exact zeros (cold-start
+grouped queries), nested `jit`, `checkpoint`, `cond`, `vmap` and `scan` (over
+rows, and over stacked layers carrying a value, alone or mixed with another),
+and a user value used both at U and broadcast. Inputs have exact zeros (cold-start
 users, zero biases) and ties; mappings are sorted or shuffled, with users
 without candidates, one user, and B = U. The rows of users without candidates
 may hold zeros, NaN or Inf (a padding user), which the original never reads,
@@ -146,8 +147,21 @@ def _apply(step: Step, x, y, params, cand, batch):
   if op == "cond":
     return jax.lax.cond(params["gate"] > 0, UNARY[step.option], jnp.cos, x)
   if op == "scan":
-    return jax.lax.scan(lambda c, row: (c + row, c * row), jnp.zeros(F), x)[1]
+    return _scan(step, x, y, params)
   raise ValueError(op)
+
+
+def _scan(step: Step, x, y, params):
+  """A scan over `x`'s rows, a stack of layers carrying `x`, or layers that mix `y` into it."""
+  if step.option == "rows":
+    return jax.lax.scan(lambda c, row: (c + row, c * row), jnp.zeros(F), x)[1]
+  if step.option == "layers":
+    def layer(h, w):
+      h = jnp.tanh(h @ w)
+      return h, jnp.sum(h, axis=-1)
+    h, sums = jax.lax.scan(layer, x, params["w"], reverse=step.b % 2 == 1)
+    return h + jnp.mean(sums, axis=0)[:, None]
+  return jax.lax.scan(lambda h, w: (h @ w + y, None), x, params["w"])[0]
 
 
 def _attention(step: Step, params, cand, batch):
@@ -194,6 +208,7 @@ def build(steps: tuple[Step, ...]):
   return fn
 
 
+SCANS = ("rows", "layers", "mixing")
 _STEPS = ("gather", "gather", "unary", "unary", "binary", "dense", "rownorm", "shape",
           "concat_dense", "pairwise", "compress", "attention", "both", "cond", "scan")
 
@@ -207,7 +222,8 @@ def steps(draw):
         st.sampled_from("ub"))
     option = (draw(st.sampled_from(sorted(UNARY))) if op in ("unary", "cond") else
               draw(st.sampled_from(sorted(BINARY))) if op == "binary" else
-              draw(st.sampled_from(INDEX_KINDS)) if op in ("gather", "attention") else "")
+              draw(st.sampled_from(INDEX_KINDS)) if op in ("gather", "attention") else
+              draw(st.sampled_from(SCANS)) if op == "scan" else "")
     wrap = draw(st.sampled_from(("", "", "", "jit", "checkpoint", "vmap")))
     out.append(Step(op, pool, draw(st.integers(0, 7)), draw(st.integers(0, 7)), option, wrap))
   return tuple(out)
