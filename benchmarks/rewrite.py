@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from benchmarks import common
 from benchmarks.problems import ranking_batch
@@ -135,6 +136,54 @@ def tower_case(b, u, f_user, hidden, dtype):
   return original, by_hand, args, dict(mapping=1, users=(0,))
 
 
+def lce_take_case(b, u, m, n, k_user, k_cand, dtype):
+  """Linear compression whose user rows come from `jnp.take` in its default (fill) mode."""
+  _, by_hand, args, where = lce_case(b, u, m, n, k_user, k_cand, dtype)
+
+  def original(e_user, ids, e_cand, w):
+    rows = jnp.take(e_user, ids, axis=0)
+    return jnp.einsum("mk,bkn->bmn", w, jnp.concatenate([rows, e_cand], axis=1))
+
+  return original, by_hand, args, where
+
+
+def scan_tower_case(b, u, f, layers, dtype):
+  """A user tower of `layers` stacked layers under `lax.scan`, carried from the broadcast rows."""
+  def tower(x, ws):
+    return jax.lax.scan(lambda h, w: (jax.nn.gelu(h @ w), None), x, ws)[0]
+
+  def original(user, ids, cand, ws):
+    return jnp.sum(tower(user[ids], ws) * cand, axis=-1)
+
+  def by_hand(user, ids, cand, ws):
+    return jnp.sum(tower(user, ws)[ids] * cand, axis=-1)
+
+  args = (_normal(0, (u, f), dtype), _mapping(b, u), _normal(1, (b, f), dtype),
+          _normal(2, (layers, f, f), dtype))
+  return original, by_hand, args, dict(mapping=1, users=(0,))
+
+
+def lookup_tower_case(b, u, f_user, hidden, dtype):
+  """Per-candidate lookups of the user row (`vmap` of `dynamic_index_in_dim`), a checkpointed
+  tower that saves a named activation (`checkpoint_name`), scored against candidates."""
+  policy = jax.checkpoint_policies.save_only_these_names("hidden")
+
+  def tower(x, w1, w2):
+    body = lambda x: checkpoint_name(jax.nn.relu(x @ w1), "hidden") @ w2
+    return jax.checkpoint(body, policy=policy)(x)
+
+  def original(user, ids, cand, w1, w2):
+    rows = jax.vmap(lambda i: jax.lax.dynamic_index_in_dim(user, i, keepdims=False))(ids)
+    return jnp.sum(tower(rows, w1, w2) * cand, axis=-1)
+
+  def by_hand(user, ids, cand, w1, w2):
+    return jnp.sum(tower(user, w1, w2)[ids] * cand, axis=-1)
+
+  args = (_normal(0, (u, f_user), dtype), _mapping(b, u), _normal(1, (b, hidden), dtype),
+          _normal(2, (f_user, 4 * hidden), dtype), _normal(3, (4 * hidden, hidden), dtype))
+  return original, by_hand, args, dict(mapping=1, users=(0,))
+
+
 def ranker_case(config, b, ratio):
   model = Ranker(config, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
@@ -180,6 +229,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--small", action="store_true")
   parser.add_argument("--iterations", type=int, default=20)
+  parser.add_argument("--cases", nargs="+", default=None, help="these cases only (default all)")
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
   if args.small:
@@ -191,7 +241,10 @@ def main() -> None:
                  repeat_dlrm=repeat_dlrm_case(4, 64, 64, 16, 32, dtype),
                  pairwise=pairwise_case(256, 4, 4, 6, 16, 32, dtype),
                  gqa_attention=attention_case(128, 4, 64, 4, 16, 4, dtype, kv_heads=2),
-                 tower=tower_case(256, 4, 64, 32, dtype))
+                 tower=tower_case(256, 4, 64, 32, dtype),
+                 lce_take=lce_take_case(256, 4, 32, 16, 48, 40, dtype),
+                 scan_tower=scan_tower_case(256, 4, 64, 4, dtype),
+                 lookup_tower=lookup_tower_case(256, 4, 64, 32, dtype))
   else:
     dtype = jnp.bfloat16
     cases = dict(lce=lce_case(1024, 15, 433, 256, 1178, 866, dtype),
@@ -201,8 +254,12 @@ def main() -> None:
                  repeat_dlrm=repeat_dlrm_case(15, 70, 2048, 512, 1024, dtype),
                  pairwise=pairwise_case(1024, 15, 16, 16, 128, 1024, dtype),
                  gqa_attention=attention_case(2048, 32, 1024, 4, 128, 64, dtype, kv_heads=2),
-                 tower=tower_case(1024, 15, 2048, 512, dtype))
-  results = {name: measure(name, case, args.iterations) for name, case in cases.items()}
+                 tower=tower_case(1024, 15, 2048, 512, dtype),
+                 lce_take=lce_take_case(1024, 15, 433, 256, 1178, 866, dtype),
+                 scan_tower=scan_tower_case(1024, 15, 1024, 4, dtype),
+                 lookup_tower=lookup_tower_case(1024, 15, 2048, 512, dtype))
+  results = {name: measure(name, case, args.iterations) for name, case in cases.items()
+             if args.cases is None or name in args.cases}
   common.write_json(args.out, dict(**common.metadata(), dtype=jnp.dtype(dtype).name,
                                    iterations=args.iterations, cases=results))
 
