@@ -369,3 +369,49 @@ def test_a_model_that_fails_to_start_is_never_ready_and_not_live():
 def test_admission_arguments_are_checked(name, value):
   with pytest.raises(ValueError, match=name):
     BatchingConfig(**{name: value})
+
+
+def _raw_exchange(url: str, chunks, pause_s: float = 0.0) -> tuple[str, float]:
+  """Sends `chunks` on one connection; the reply's first bytes ('' if reset) and the seconds."""
+  host, port = url.removeprefix("http://").split(":")
+  start = time.perf_counter()
+  with socket.create_connection((host, int(port)), timeout=10) as conn:
+    try:
+      for chunk in chunks:
+        conn.sendall(chunk)
+        time.sleep(pause_s)
+    except (ConnectionResetError, BrokenPipeError):
+      pass
+    try:
+      reply = conn.recv(4096).decode()
+    except ConnectionResetError:
+      reply = ""
+  return reply, time.perf_counter() - start
+
+
+_HEAD = b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+@pytest.mark.parametrize("attack", ["one_large_header", "a_header_that_never_ends",
+                                    "too_many_headers"])
+def test_a_request_head_over_its_limits_gets_431_and_others_are_served(attack):
+  chunks = {
+      "one_large_header": [_HEAD + b"X-Big: " + b"a" * 40_000 + b"\r\n\r\n"],
+      # 64 KiB at a time, 16 MiB in all: refused once 32 KiB of head arrived.
+      "a_header_that_never_ends": [_HEAD + b"X-Big: "] + [b"a" * 65536] * 256,
+      "too_many_headers": [_HEAD + b"".join(b"X-%d: 1\r\n" % i for i in range(150)) + b"\r\n"],
+  }[attack]
+  with loopback.serving(create_app(SlowScorer(0.0)), http=guarded_http(5.0)) as served_at:
+    reply, took = _raw_exchange(served_at.url, chunks)
+    with httpx.Client(base_url=served_at.url) as client:
+      assert client.get("/health/live").status_code == 200
+      request = ClickGenerator(CONFIG, seed=0).requests(1)[0]
+      headers = {f"X-Fine-{i}": "1" * 100 for i in range(50)}  # 50 fields, 5 KB: served
+      assert client.post("/score", json=_body(request), headers=headers).status_code == 200
+  assert reply.startswith("HTTP/1.1 431") and took < 5, (reply[:200], took)
+
+
+def test_head_limits_are_checked():
+  for bad in (dict(max_head_bytes=0), dict(max_headers=-1)):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+      guarded_http(1.0, **bad)

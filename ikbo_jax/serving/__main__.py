@@ -14,7 +14,8 @@ Overload is answered, never dropped: the batcher refuses requests past its
 queue bounds (429) and answers those whose deadline passed in the queue (503);
 uvicorn answers 503 past `--max-connections`, and its accept backlog holds the
 connections it has not yet accepted. A connection must complete each request
-head within `--head-seconds` (idle and drip-feeding clients cannot hold sockets).
+head within `--head-seconds` (idle and drip-feeding clients cannot hold sockets),
+of at most `--max-head-bytes` and `--max-headers` fields (431 beyond).
 On SIGTERM it stops accepting, answers what is in flight, and exits within
 `--drain-seconds`.
 """
@@ -68,6 +69,11 @@ def main(argv=None) -> None:
   parser.add_argument("--head-seconds", type=float, default=10.0,
                       help="a connection that has not sent a whole request head this long "
                            "after opening (or after its last response) is closed")
+  parser.add_argument("--max-head-bytes", type=int, default=32 * 1024,
+                      help="a request head (request line and headers) over this many bytes "
+                           "is answered 431")
+  parser.add_argument("--max-headers", type=int, default=100,
+                      help="a request head with more header fields is answered 431")
   parser.add_argument("--drain-seconds", type=int, default=10,
                       help="on SIGTERM, how long in-flight requests may take to finish")
   parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -147,8 +153,8 @@ def _serve(args, parser) -> None:
                             default_timeout_ms=args.timeout_ms)
   app = create_app(build_model, batching, HttpLimits(max_body_bytes=args.max_body_bytes,
                                                          max_active=args.max_active))
-  uvicorn.run(app, host=args.host, port=args.port, http=guarded_http(args.head_seconds),
-              backlog=args.backlog,
+  http = guarded_http(args.head_seconds, args.max_head_bytes, args.max_headers)
+  uvicorn.run(app, host=args.host, port=args.port, http=http, backlog=args.backlog,
               limit_concurrency=args.max_connections, timeout_keep_alive=args.idle_seconds,
               timeout_graceful_shutdown=args.drain_seconds)
 
