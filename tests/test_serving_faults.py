@@ -168,9 +168,14 @@ def test_bad_clients_get_a_status_and_no_traceback(caplog):
     assert post(content=b'{"user_dense": [' + b"9" * 5000 + b"]}",
                 headers=json_type).status_code == 400
     assert post(content=b'{"user_dense": [NaN]}', headers=json_type).status_code == 400
-    for history, named in (([1.5], "`$.history[0]`"), ([2**64 - 1], "history")):
+    for history, named in (([1.5], "`$.history[0]`"), ([2**64 - 1], "`$.history[0]`"),
+                           ([2**63], "<= 2147483647 - at `$.history[0]`"),
+                           ([0, -1], ">= 0 - at `$.history[1]`")):
       wrong = post(json={**body, "history": history})
       assert wrong.status_code == 400 and named in wrong.json()["error"], wrong.text
+    text = json.dumps(body)
+    repeated = post(content=text[:-1] + ', "history": [1, 2]}', headers=json_type)
+    assert repeated.status_code == 400 and "repeats a field (history)" in repeated.text
     nan = post(json={**body, "cand_items": [299] + body["cand_items"][1:]})
     assert nan.status_code == 422 and "not finite" in nan.json()["error"]
     assert post(json=body, headers={"x-timeout-ms": "soon"}).status_code == 400
@@ -415,3 +420,21 @@ def test_head_limits_are_checked():
   for bad in (dict(max_head_bytes=0), dict(max_headers=-1)):
     with pytest.raises(ValueError, match=next(iter(bad))):
       guarded_http(1.0, **bad)
+
+
+def test_a_client_that_leaves_mid_body_is_counted_apart_from_server_errors(caplog):
+  caplog.set_level(logging.INFO)
+  with loopback.serving(create_app(SlowScorer(0.0)), log_config=None) as served_at:
+    host, port = served_at.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+      conn.sendall(_HEAD + b"Content-Length: 1000\r\n\r\n{\"user_dense\": [")
+      time.sleep(0.2)
+    with httpx.Client(base_url=served_at.url) as client:
+      for _ in range(50):  # the server notices the close on its next read
+        scrape = client.get("/metrics").text
+        if 'ikbo_refused_total{reason="client_closed"} 1.0' in scrape:
+          break
+        time.sleep(0.05)
+  assert 'ikbo_refused_total{reason="client_closed"} 1.0' in scrape
+  assert 'status="500"' not in scrape
+  assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -20,7 +20,10 @@ against the model) are `Request.validated`'s to check.
 
 from __future__ import annotations
 
+import collections
 import math
+import re
+from typing import Annotated
 
 import msgspec
 import numpy as np
@@ -43,10 +46,15 @@ class BodyError(ValueError):
     self.status = status
 
 
+# An item id as JSON text: a number past int32 is refused by its range, naming the field,
+# rather than becoming a float or object array whose dtype the model then refuses.
+_ItemId = Annotated[int, msgspec.Meta(ge=0, le=np.iinfo(np.int32).max)]
+
+
 class _JsonBody(msgspec.Struct, forbid_unknown_fields=True):
   user_dense: list[float]
-  history: list[int]
-  cand_items: list[int]
+  history: list[_ItemId]
+  cand_items: list[_ItemId]
   cand_dense: list[list[float]]
 
 
@@ -81,11 +89,25 @@ def decode(content_type: str, body: bytes, config: RankerConfig, max_candidates:
   if content_type == MSGPACK:
     fields = _arrays(decoded, config)
   else:
+    _refuse_repeated_keys(body)
     fields = {f: getattr(decoded, f) for f in FIELDS}
   if len(fields["cand_items"]) > max_candidates:
     raise BodyError(413, f"cand_items has {len(fields['cand_items'])} candidates; a request "
                          f"may have at most {max_candidates}")
   return Request(**fields)
+
+
+def _refuse_repeated_keys(body: bytes) -> None:
+  """A JSON object may repeat a key, and a decoder keeps the last: refused instead.
+
+  The decoded body's only strings are its keys (the values are numbers), each of the four
+  fields once, so more than four pairs of quotes means a field appears twice.
+  """
+  if body.count(b'"') != 2 * len(FIELDS):
+    counts = collections.Counter(re.findall(rb'"([^"]*)"', body))
+    repeated = sorted(k.decode(errors="replace") for k, n in counts.items() if n > 1)
+    raise BodyError(400, f"the body repeats a field ({', '.join(repeated) or 'escaped'}); "
+                         f"each of {list(FIELDS)} must appear once")
 
 
 def _arrays(decoded: _MsgpackBody, config: RankerConfig) -> dict[str, np.ndarray]:

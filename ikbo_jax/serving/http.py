@@ -11,6 +11,8 @@
     -> 429 + Retry-After       the queue is at its bound: refused before it was queued
     -> 503 + Retry-After       its deadline passed while it was read or queued (never
                                computed), or the server is still compiling
+    (499, nginx's "client closed request", in the metrics only: the client left before its
+    body arrived; nothing is sent, and it is counted apart from the server's errors)
 
 A request's deadline is the `X-Timeout-Ms` header or the batcher's default, counted from
 when its handler starts (a CPU-bound server's wait is in reading and decoding bodies).
@@ -35,7 +37,7 @@ from collections.abc import Callable
 
 import numpy as np
 from starlette.applications import Starlette
-from starlette.requests import Request as HttpRequest
+from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.schemas import SchemaGenerator
@@ -185,9 +187,9 @@ async def _score_route(http_request: HttpRequest) -> Response:
                      retry=True)
     response = JSONResponse({"scores": await _score(http_request, limits, start)})
   except _Refusal as refusal:
-    if refusal.status in (429, 503):
-      reason = {429: "overloaded"}.get(refusal.status,
-                                       "deadline" if state.batcher else "not_ready")
+    if refusal.status in (429, 499, 503):
+      reason = {429: "overloaded", 499: "client_closed"}.get(
+          refusal.status, "deadline" if state.batcher else "not_ready")
       metrics.refused.labels(reason).inc()
     headers = {"Retry-After": str(limits.retry_after_s)} if refusal.retry else None
     response = JSONResponse({"error": str(refusal)}, status_code=refusal.status,
@@ -322,11 +324,15 @@ async def _read_body(http_request: HttpRequest, limits: HttpLimits) -> bytes:
 
   async def read() -> bytes:
     chunks, size = [], 0
-    async for chunk in http_request.stream():
-      size += len(chunk)
-      if size > limits.max_body_bytes:
-        raise _Refusal(413, f"the body may have at most {limits.max_body_bytes} bytes")
-      chunks.append(chunk)
+    try:
+      async for chunk in http_request.stream():
+        size += len(chunk)
+        if size > limits.max_body_bytes:
+          raise _Refusal(413, f"the body may have at most {limits.max_body_bytes} bytes")
+        chunks.append(chunk)
+    except ClientDisconnect:  # the client's doing, not a server error: no 500, no ERROR line
+      raise _Refusal(499, f"the client closed its connection after {size} bytes of its "
+                          "body") from None
     return b"".join(chunks)
 
   try:

@@ -8,7 +8,7 @@ Names follow Prometheus conventions (base units, `_total` counters):
 - `ikbo_batches_total{bucket}`: batches per compiled bucket;
 - `ikbo_batch_seconds`: the model call per batch (packing, transfer, device, fetch);
 - `ikbo_refused_total{reason}`: requests answered without computing them
-  (`overloaded`, `deadline`, `not_ready`);
+  (`overloaded`, `deadline`, `not_ready`, `client_closed`: the client left mid-body);
 - with a user-state cache: `ikbo_cache_hits_total`, `ikbo_cache_misses_total`,
   `ikbo_cache_evictions_total`, `ikbo_cache_expirations_total`, and the gauges
   `ikbo_cache_entries`, `ikbo_cache_capacity`, `ikbo_cache_bytes` (the table's device memory).
