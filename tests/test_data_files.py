@@ -4,6 +4,8 @@ Each case is one defect a real log had or could have (see ikbo_jax.data.files);
 before the contract each of these was read silently (or failed deep inside training).
 """
 
+import dataclasses
+import logging
 import pathlib
 
 import numpy as np
@@ -13,8 +15,10 @@ import pytest
 
 from ikbo_jax.data import files
 from ikbo_jax.data import validate as validate_command
+from ikbo_jax.data.page_checksums import has_page_checksums
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.models import RankerConfig
+from ikbo_jax.training import __main__ as training_command
 
 CONFIG = RankerConfig(num_items=300, max_history=16)
 
@@ -129,3 +133,55 @@ def test_validate_prints_a_summary_or_the_first_failure(tmp_path, capsys):
   bad = _write(tmp_path, CASES["labels 5 and -1"][0](_columns()))
   assert validate_command.main([str(good), str(bad)]) == 1
   assert "invalid:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dictionary", [True, False])
+def test_page_checksums_are_detected_in_files_of_either_kind(tmp_path, dictionary):
+  for checksums in (True, False):
+    path = tmp_path / f"{checksums}.parquet"
+    pq.write_table(pa.table(_columns()), path, write_page_checksum=checksums,
+                   use_dictionary=dictionary)
+    assert has_page_checksums(path) == checksums
+
+
+def test_a_file_without_page_checksums_is_read_with_a_warning(tmp_path, caplog):
+  path = _write(tmp_path, _columns())  # pyarrow's default: no checksums
+  with caplog.at_level(logging.WARNING):
+    assert len(files.read_requests(path, CONFIG)) == 6
+  assert "carry no checksums" in caplog.text and str(path) in caplog.text
+  files.write_requests(files.read_requests(path, CONFIG), path)  # written with checksums
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    files.read_requests(path, CONFIG)
+  assert "checksums" not in caplog.text
+
+
+@pytest.mark.parametrize("field, values", [
+    ("cand_dense", lambda c: [np.ravel(d).tolist() for d in c["cand_dense"]]),  # one level up
+    ("user_dense", lambda c: [[u] for u in c["user_dense"]]),  # one level down
+    ("history", lambda c: [h[0] if h else 0 for h in c["history"]]),  # not a list at all
+])
+def test_a_field_nested_one_level_off_names_the_file_field_and_types(tmp_path, field, values):
+  columns = _columns()
+  columns[field] = values(columns)
+  path = _write(tmp_path, columns)
+  with pytest.raises(files.DataError, match=rf"{path}: field {field} must be list<.*, got .*"
+                                            r"\(nested \d levels deep, not \d\)"):
+    files.read_requests(path, CONFIG)
+
+
+def test_a_request_with_a_null_field_is_refused_on_write(tmp_path):
+  requests = ClickGenerator(CONFIG, seed=3).requests(3)
+  requests[1] = dataclasses.replace(requests[1], history=None)
+  with pytest.raises(files.DataError, match="request 1: field history is None"):
+    files.write_requests(requests, tmp_path / "x.parquet")
+  assert not (tmp_path / "x.parquet").exists()
+
+
+def test_the_training_command_prints_a_data_error_in_one_line(tmp_path, capsys):
+  bad = _write(tmp_path, CASES["labels 5 and -1"][0](_columns()))
+  with pytest.raises(SystemExit) as exit_info:
+    training_command.main(["--train-file", str(bad), "--eval-file", str(bad), "--steps", "2"])
+  err = capsys.readouterr().err
+  assert exit_info.value.code == 1 and "Traceback" not in err
+  assert err.strip().count("\n") == 0 and "row 4: field labels" in err, err

@@ -14,13 +14,17 @@ Nothing is null. Integer columns may be stored as any integer type (int8 to
 int64); a float or string column where ids belong is refused, never truncated
 or parsed. Every error names the file, the row and the field, and a whole file
 is checked before any of it is used (vectorized, with `pyarrow.compute`). Pages
-carry CRC checksums (written and verified), so a corrupted page is an error,
-not silently different values. `python -m ikbo_jax.data.validate FILE` checks
-a dataset without training.
+carry CRC checksums (written here, and verified wherever present), so a
+corrupted page is an error, not silently different values. A file written
+without them (most writers' default: `page_checksums.py`) is read, every value
+checked against the contract above, with a warning that a corrupted byte that
+still passes those checks would go unseen. `python -m ikbo_jax.data.validate
+FILE` checks a dataset without training.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 
@@ -29,6 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ikbo_jax.data.page_checksums import has_page_checksums
 from ikbo_jax.data.request import Request
 from ikbo_jax.models.config import RankerConfig
 
@@ -40,6 +45,8 @@ SCHEMA = pa.schema([
     pa.field("labels", pa.list_(pa.float32()), nullable=True),
 ])
 _IDS = ("history", "cand_items")
+_REQUIRED = ("user_dense", "history", "cand_items", "cand_dense")
+_LOG = logging.getLogger(__name__)
 
 
 class DataError(ValueError):
@@ -47,9 +54,16 @@ class DataError(ValueError):
 
 
 def write_requests(requests: Sequence[Request], path: str | os.PathLike) -> None:
-  """Writes `requests` to one Parquet file in `SCHEMA`, with page checksums."""
+  """Writes `requests` to one Parquet file in `SCHEMA`, with page checksums.
+
+  A request with a field of None is refused (it would be written as null, or as empty).
+  """
   columns = {name: [] for name in SCHEMA.names}
-  for r in requests:
+  for i, r in enumerate(requests):
+    missing = [name for name in _REQUIRED if getattr(r, name) is None]
+    if missing:
+      raise DataError(f"{path}: request {i}: field {missing[0]} is None; nothing but labels "
+                      "may be null")
     columns["user_dense"].append(np.asarray(r.user_dense).tolist())
     columns["history"].append(np.asarray(r.history).tolist())
     columns["cand_items"].append(np.asarray(r.cand_items).tolist())
@@ -67,8 +81,13 @@ def read_requests(path: str | os.PathLike, config: RankerConfig, *,
   """
   try:
     table = pq.read_table(path, page_checksum_verification=True)
+    checksums = has_page_checksums(path)
   except (OSError, pa.ArrowException) as e:
     raise DataError(f"{path}: not a readable Parquet file: {e}") from None
+  if not checksums:
+    _LOG.warning("%s: its pages carry no checksums, so a corrupted byte that still passes the "
+                 "schema's checks would go unseen (write it with page checksums: "
+                 "ikbo_jax.data.page_checksums)", path)
   if table.num_rows == 0:
     raise DataError(f"{path}: the file has no rows")
   table = _conform(table, path, require_labels)
@@ -103,6 +122,9 @@ def _conform(table: pa.Table, path, require_labels: bool) -> pa.Table:
     wanted = field.type
     while pa.types.is_list(wanted):
       wanted = wanted.value_type
+    if _depth(column.type) != _depth(field.type):
+      raise DataError(f"{path}: field {field.name} must be {field.type}, got {column.type} "
+                      f"(nested {_depth(column.type)} levels deep, not {_depth(field.type)})")
     if pa.types.is_integer(wanted) and not pa.types.is_integer(actual):
       raise DataError(f"{path}: field {field.name} must hold integer item ids, got "
                       f"{column.type} (ids are never truncated or parsed)")
@@ -113,9 +135,17 @@ def _conform(table: pa.Table, path, require_labels: bool) -> pa.Table:
       _check_no_nulls(column, field.name, path)
     try:
       columns[field.name] = column.cast(field.type)  # checks integer overflow
-    except pa.ArrowInvalid as e:
+    except pa.ArrowException as e:
       raise DataError(f"{path}: field {field.name} does not fit {field.type}: {e}") from None
   return pa.table(columns)
+
+
+def _depth(arrow_type) -> int:
+  """How many list levels `arrow_type` has."""
+  depth = 0
+  while pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+    arrow_type, depth = arrow_type.value_type, depth + 1
+  return depth
 
 
 def _check_no_nulls(column, name: str, path) -> None:

@@ -68,17 +68,18 @@ def _train(args, parser) -> dict:
   from ikbo_jax.training.run_guard import SaveInterval, StopSignals, periodic_saver, resume
 
   config = PRESETS[args.preset]()
-  if args.train_file:
-    train_requests = files.read_requests(args.train_file, config)
+  if args.train_file and not args.eval_file:
+    parser.error("--train-file needs --eval-file (a held-out split)")
+  try:  # a data error is the data's: one line naming file, row and field, no traceback
+    train_requests = files.read_requests(args.train_file, config) if args.train_file else None
+    held_out = (files.read_requests(args.eval_file, config) if args.eval_file else
+                ClickGenerator(config, seed=args.seed).requests(args.eval_requests, EVAL_START))
+  except files.DataError as e:
+    parser.exit(1, f"invalid data: {e}\n")
+  if train_requests:
     source = lambda i: train_requests[i % len(train_requests)]
   else:
     source = ClickGenerator(config, seed=args.seed).request
-  if args.eval_file:
-    held_out = files.read_requests(args.eval_file, config)
-  elif args.train_file:
-    parser.error("--train-file needs --eval-file (a held-out split)")
-  else:
-    held_out = ClickGenerator(config, seed=args.seed).requests(args.eval_requests, EVAL_START)
 
   train_config = TrainConfig(num_users=args.users, num_candidates=args.candidates,
                              learning_rate=args.learning_rate,
