@@ -226,7 +226,7 @@ def test_preflight_refuses_a_file_and_a_full_disk_before_step_one(tmp_path):
   path.write_text("not a directory")
   with pytest.raises(checkpoint.CheckpointError, match="is a file"):
     preflight(path, 1000)
-  with pytest.raises(checkpoint.CheckpointError, match="two checkpoints need"):
+  with pytest.raises(checkpoint.CheckpointError, match="3 checkpoints kept and one being written need"):
     preflight(tmp_path / "ckpt", 10**18)
   run = _cli("--steps", "5", "--checkpoint-dir", str(path), check=False)
   assert run.returncode == 1 and "is a file" in run.stderr and "step 1" not in run.stdout
@@ -278,3 +278,59 @@ def test_a_disk_that_fills_during_the_run_stops_it_naming_the_last_good_checkpoi
   err = capsys.readouterr().err
   assert exit_.value.code == 1 and "No space left on device" in err
   assert f"the last good checkpoint is step {saves[1]} under" in err
+
+
+def _one_line_exit(run_stderr: str, returncode: int, last_good: str) -> None:
+  """The run ended with exit 1 and exactly one line naming the cause and the last good step."""
+  lines = run_stderr.strip().splitlines()
+  assert returncode == 1 and len(lines) == 1, run_stderr[-3000:]
+  assert lines[0].startswith("training stopped at step") and last_good in lines[0], lines[0]
+
+
+def _leftovers(directory: pathlib.Path) -> list[str]:
+  """What a failed save left: orbax's temporary directories and unsealed steps."""
+  return sorted(p.name for p in directory.iterdir() if p.name != checkpoint.REJECTED and (
+      "tmp" in p.name or (p.is_dir() and not (p / checkpoint.SEAL).exists())))
+
+
+def test_a_file_size_limit_stops_the_run_in_one_line_leaving_nothing_half_written(tmp_path):
+  """`ulimit -f`: every checkpoint file over 100 KB fails in orbax's background writes."""
+  import resource
+  limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+  run = subprocess.run([sys.executable, "-m", "ikbo_jax.training", *ARGS, "--steps", "12",
+                        "--save-every-steps", "4", "--checkpoint-dir", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, preexec_fn=limit)
+  _one_line_exit(run.stderr, run.returncode, "the last good checkpoint is none")
+  assert "saving step 4" in run.stderr and _leftovers(tmp_path) == []
+
+
+def test_a_checkpoint_directory_that_goes_away_mid_run_stops_it_in_one_line(tmp_path):
+  """After the first save the directory is replaced by a file: the next save cannot start.
+
+  Before, orbax's threads waited forever for that save and the process never exited.
+  """
+  directory = tmp_path / "ckpt"
+  process = _start("--steps", "400", "--save-every-steps", "4", "--checkpoint-dir",
+                   str(directory))
+  _wait_for_a_save(directory, process)
+  directory.rename(tmp_path / "moved")
+  directory.write_text("in the way")
+  _, err = process.communicate(timeout=60)
+  _one_line_exit(err, process.returncode, "the last good checkpoint is step 4 under")
+
+
+def test_sigterm_during_the_final_evaluation_lets_it_finish_and_seal_the_last_step(tmp_path):
+  process = subprocess.Popen(
+      [sys.executable, "-m", "ikbo_jax.training", *ARGS[:-3], "--eval-requests", "1500",
+       "--no-progress", "--steps", "8", "--save-every-steps", "4", "--checkpoint-dir",
+       str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 120
+  while not (tmp_path / "8").is_dir():  # written after the last step, sealed after evaluating
+    assert process.poll() is None and time.time() < deadline, process.communicate()
+    time.sleep(0.05)
+  assert checkpoint.verify(tmp_path, 8) is not None  # not sealed yet: it is evaluating
+  process.send_signal(signal.SIGTERM)
+  out, err = process.communicate(timeout=120)
+  assert process.returncode == 0, (out, err)
+  assert "SIGTERM: stopped at step 8; saved step 8" in err
+  assert _sealed_steps(tmp_path)[-1] == 8 and checkpoint.verify(tmp_path, 8) is None

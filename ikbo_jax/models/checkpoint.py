@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 import time
 import warnings
 from collections.abc import Callable
@@ -46,7 +47,10 @@ class CheckpointError(RuntimeError):
   """No checkpoint under a directory verifies; the message names what failed."""
 
 
-def manager(directory: str | os.PathLike, max_to_keep: int = 3) -> ocp.CheckpointManager:
+KEPT = 3  # checkpoints a directory keeps (a fourth is written before the oldest goes)
+
+
+def manager(directory: str | os.PathLike, max_to_keep: int = KEPT) -> ocp.CheckpointManager:
   """An orbax manager of `directory`; it removes the temporary files of saves that died."""
   return ocp.CheckpointManager(os.path.abspath(directory), options=ocp.CheckpointManagerOptions(
       max_to_keep=max_to_keep, cleanup_tmp_directories=True))
@@ -80,9 +84,32 @@ def step_dir(directory, step: int) -> pathlib.Path:
 
 
 def seal(directory, step: int) -> None:
-  """Records the step's number and the checksums of its files, once they are all written."""
+  """Records the step's number and the checksums of its files, once they are all written.
+
+  The seal is written whole or not at all (a temporary file renamed), so a disk that fills
+  while it is written leaves the step unsealed, never sealed with a truncated record.
+  """
   path = step_dir(directory, step)
-  (path / SEAL).write_text(json.dumps(dict(step=step, files=_digests(path)), indent=0))
+  record = json.dumps(dict(step=step, files=_digests(path)), indent=0)
+  partial = path / (SEAL + ".partial")
+  try:
+    partial.write_text(record)
+    os.replace(partial, path / SEAL)
+  finally:
+    partial.unlink(missing_ok=True)
+
+
+def discard_unsealed(directory, step: int) -> None:
+  """Removes what a save of `step` that failed left behind: its unsealed files, orbax's tmp.
+
+  A sealed step is never touched: only one whose save or seal did not finish, which no
+  restore would trust, and which holds the room a full disk needs back.
+  """
+  path = step_dir(directory, step)
+  for partial in path.parent.glob(f"{step}.orbax-checkpoint-tmp*"):
+    shutil.rmtree(partial, ignore_errors=True)
+  if path.is_dir() and not (path / SEAL).exists():
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def verify(directory, step: int) -> str | None:

@@ -4,10 +4,13 @@
     python -m ikbo_jax.training --train-file logs.parquet --eval-file held_out.parquet
 
 With `--checkpoint-dir` it checks first that checkpoints can be written there
-(and that two fit), saves every `--save-every-steps` steps and every
-`--save-every-minutes` minutes in the background, on SIGTERM/SIGINT (then
-exits), and at the end; it resumes from the newest checkpoint that verifies
-and says what it resumed. The learning-rate schedule runs over
+(and that the checkpoints it keeps, plus one, fit), saves every
+`--save-every-steps` steps and every `--save-every-minutes` minutes in the
+background, on SIGTERM/SIGINT (then exits; a signal during the final evaluation
+lets it and the last save finish), and at the end; a save that fails (a full or
+read-only disk) stops the run with one line naming the cause and the last good
+checkpoint, and removes what it left half-written. It resumes from the newest
+checkpoint that verifies and says what it resumed. The learning-rate schedule runs over
 `--schedule-steps` (default `--steps`): declare the full length to extend a run
 in pieces that equal one straight run. A non-finite loss or gradient stops the
 run naming the step and the last checkpoint (`--max-skipped-steps` allows some,
@@ -18,6 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import sys
+import threading
+import time
 
 from ikbo_jax import __version__, _cli
 from ikbo_jax.models.builds import Build
@@ -64,9 +71,11 @@ def _train(args, parser) -> dict:
   from ikbo_jax.data.synthetic import ClickGenerator
   from ikbo_jax.models.checkpoint import CheckpointError
   from ikbo_jax.training import Divergence, TrainConfig, Trainer
+  from ikbo_jax.training import quiet_saves
   from ikbo_jax.training.trainer import describe_save
   from ikbo_jax.training.run_guard import SaveInterval, StopSignals, periodic_saver, resume
 
+  quiet_saves.quiet()  # a failed save is reported once, in the line the run exits with
   config = PRESETS[args.preset]()
   if args.train_file and not args.eval_file:
     parser.error("--train-file needs --eval-file (a held-out split)")
@@ -90,30 +99,28 @@ def _train(args, parser) -> dict:
     if args.checkpoint_dir:
       print(resume(trainer, args.checkpoint_dir))
     before = trainer.evaluate(held_out)
+    # Signals stay caught to the end: one that comes during the final evaluation or save
+    # lets them finish (the last step is sealed) instead of killing the process.
     with StopSignals() as stop:
       after_step = (periodic_saver(trainer, args.checkpoint_dir, SaveInterval(
           args.save_every_steps, args.save_every_minutes, last_step=trainer.step_count), stop)
                     if args.checkpoint_dir else lambda: stop.requested is not None)
       losses = trainer.fit(max(args.steps - trainer.step_count, 0),
                            progress=not args.no_progress, after_step=after_step)
+      if not stop.requested:
+        after = trainer.evaluate(held_out)
+        trainer.seal_finished_save(wait=True)
+        if args.checkpoint_dir and (trainer.last_saved or (-1,))[0] < trainer.step_count:
+          trainer.save(args.checkpoint_dir)
     if stop.requested:
       trainer.close()
-      saved = trainer.last_saved
       parser.exit(0, f"{stop.requested}: stopped at step {trainer.step_count}; saved "
-                     f"{describe_save(saved)}\n")
-    after = trainer.evaluate(held_out)
-    trainer.seal_finished_save(wait=True)
-    if args.checkpoint_dir and (trainer.last_saved or (-1,))[0] < trainer.step_count:
-      trainer.save(args.checkpoint_dir)
-  except (Divergence, CheckpointError) as e:
-    parser.exit(1, f"training stopped: {e}\n")
-  except OSError as e:  # a save that failed mid-run (a full disk, a vanished directory)
-    with contextlib.suppress(OSError):  # an earlier save still in flight may have finished
-      trainer.seal_finished_save(wait=True)
-    saved = trainer.last_saved
-    parser.exit(1, f"training stopped at step {trainer.step_count}: a checkpoint could not be "
-                   f"written ({e}); the last good checkpoint is "
-                   f"{describe_save(saved)}\n")
+                     f"{describe_save(trainer.last_saved)}\n")
+  except (Divergence, CheckpointError, OSError) as e:  # OSError: a disk that failed mid-run
+    with contextlib.suppress(CheckpointError, OSError):  # an earlier save may still seal
+      trainer.close()
+    _exit(parser, 1, f"training stopped at step {trainer.step_count}: {e}; the last good "
+                     f"checkpoint is {describe_save(trainer.last_saved)}\n")
   finally:
     trainer.close()
   report = dict(device=jax.devices()[0].device_kind, preset=args.preset, build=args.build,
@@ -122,6 +129,28 @@ def _train(args, parser) -> dict:
                 auc_after=after["auc"], eval_loss=after["loss"])
   print(json.dumps(report, indent=1))
   return report
+
+
+def _exit(parser, status: int, message: str) -> None:
+  """`parser.exit`, unless threads a failed save left behind would hold the process forever.
+
+  When orbax's save fails before its writes start (a directory that became read-only or
+  vanished), its signaling threads, which are not daemons, wait for writes that never come,
+  and the interpreter would wait for them at exit. They get a moment; then the process
+  ends without them, its message written.
+  """
+  deadline = time.monotonic() + 2.0
+  for thread in threading.enumerate():
+    if thread is not threading.main_thread() and not thread.daemon:
+      with contextlib.suppress(Exception):  # orbax's threads re-raise their failure on join
+        thread.join(max(0.0, deadline - time.monotonic()))
+  if any(t.is_alive() and not t.daemon and t is not threading.main_thread()
+         for t in threading.enumerate()):
+    sys.stderr.write(message)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+  parser.exit(status, message)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """What keeps a long training run from losing work: preflight, a save interval, stop signals.
 
 `preflight` checks, before step one, that checkpoints can be written where they
-are asked for and that two fit on the disk (a full disk found after the last
-step lost whole runs). `SaveInterval` says when a step is due for a save (every
+are asked for and that the checkpoints a directory keeps, and one more being
+written, fit on the disk (a full disk found after the last step lost whole runs). `SaveInterval` says when a step is due for a save (every
 `steps` steps and every `minutes` minutes, whichever comes first).
 `StopSignals` turns SIGTERM and SIGINT into a request the loop sees at its next
 step, so the run saves and exits instead of dying mid-step. `resume` and
@@ -17,12 +17,16 @@ import shutil
 import signal
 import time
 
-from ikbo_jax.models.checkpoint import CheckpointError
+from ikbo_jax.models.checkpoint import KEPT, CheckpointError
 from ikbo_jax.training.trainer import Trainer
 
 
 def preflight(directory, bytes_per_checkpoint: int) -> None:
-  """Raises `CheckpointError` unless `directory` is writable with room for two checkpoints."""
+  """Raises `CheckpointError` unless `directory` is writable with room for its checkpoints.
+
+  The room is for the `KEPT` checkpoints a directory keeps and one more in flight: the
+  oldest is removed only after the newest is written.
+  """
   path = pathlib.Path(directory)
   if path.exists() and not path.is_dir():
     raise CheckpointError(f"the checkpoint directory {path} is a file")
@@ -33,9 +37,10 @@ def preflight(directory, bytes_per_checkpoint: int) -> None:
     probe.unlink()
   except OSError as e:
     raise CheckpointError(f"cannot write checkpoints under {path}: {e}") from None
-  free, needed = shutil.disk_usage(path).free, 2 * bytes_per_checkpoint
+  free, needed = shutil.disk_usage(path).free, (KEPT + 1) * bytes_per_checkpoint
   if free < needed:
-    raise CheckpointError(f"{path}: {free:,} bytes free; two checkpoints need {needed:,}")
+    raise CheckpointError(f"{path}: {free:,} bytes free; {KEPT} checkpoints kept and one "
+                          f"being written need {needed:,}")
 
 
 @dataclasses.dataclass

@@ -17,6 +17,7 @@ steps' flags every `log_every` steps, so the host never waits on a step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -268,24 +269,42 @@ class Trainer:
       self.seal_finished_save(wait=True)
 
   def seal_finished_save(self, wait: bool = False) -> None:
-    """Seals the last save if its files are complete (or, with `wait`, once they are)."""
+    """Seals the last save if its files are complete (or, with `wait`, once they are).
+
+    A save that failed (a full or read-only disk, a file size limit) raises
+    `CheckpointError` naming the step and the cause, once, after what it left
+    behind is removed (`checkpoint.discard_unsealed`); `last_saved` stays the
+    last good step.
+    """
     if self._pending is None:
       return
     directory, step = self._pending
     manager = self._managers[directory]
-    if wait:
-      manager.wait_until_finished()
-    elif manager.is_saving_in_progress():
+    if not wait and manager.is_saving_in_progress():
       return
-    checkpoint.seal(directory, step)
-    self.last_saved, self._pending = (step, directory), None
+    self._pending = None  # settled now, whatever follows: a failure is reported once
+    try:
+      manager.wait_until_finished()  # re-raises what the background write raised
+      manager.check_for_errors()
+      if not checkpoint.step_dir(directory, step).is_dir():
+        raise OSError("its files were not written")
+      checkpoint.seal(directory, step)
+    except Exception as e:  # orbax raises ValueError, OSError or RuntimeError alike
+      checkpoint.discard_unsealed(directory, step)
+      cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      raise checkpoint.CheckpointError(
+          f"saving step {step} under {directory} failed: {cause[:300]}") from None
+    self.last_saved = (step, directory)
 
   def close(self) -> None:
     """Waits for a save in flight, seals it and closes the checkpoint managers."""
-    self.seal_finished_save(wait=True)
-    for manager in self._managers.values():
-      manager.close()
-    self._managers.clear()
+    try:
+      self.seal_finished_save(wait=True)
+    finally:
+      for manager in self._managers.values():
+        with contextlib.suppress(Exception):  # a manager whose save failed may fail to close
+          manager.close()
+      self._managers.clear()
 
   def state_bytes(self) -> int:
     """Bytes of one checkpoint's arrays (the parameters and the optimizer)."""
