@@ -115,6 +115,10 @@ def test_a_bad_request_fails_alone(ranker, served):
       r"cand_dense must have shape \(": dataclasses.replace(r, cand_dense=np.ones((1, 2))),
       "user_dense must be finite": dataclasses.replace(
           r, user_dense=np.full(CONFIG.user_dense, np.nan)),
+      r"user_dense\[3\] = 1e\+19 is outside the model's valid range": dataclasses.replace(
+          r, user_dense=np.where(np.arange(CONFIG.user_dense) == 3, 1e19, r.user_dense)),
+      r"cand_dense\[0, 1\] = -3e\+16 is outside": dataclasses.replace(
+          r, cand_dense=np.where(np.arange(CONFIG.cand_dense) == 1, -3e16, r.cand_dense)),
   }
   results = asyncio.run(_score_all(served, [*bad.values(), *good]))
   for (pattern, _), result in zip(bad.items(), results):
@@ -122,6 +126,23 @@ def test_a_bad_request_fails_alone(ranker, served):
         pattern, result)
   for request, got in zip(good, results[len(bad):]):
     np.testing.assert_allclose(got, _alone(ranker, request), rtol=1e-5, atol=1e-6)
+
+
+def test_the_feature_bound_is_sound_and_what_it_refuses_overflowed(ranker, served):
+  """Features at the bound score as the model does unbounded; far past it, every score was
+  the same (the tower's LayerNorm overflowed), which is what the bound refuses."""
+  from ikbo_jax.models.valid_range import max_abs_dense_feature
+  bound = max_abs_dense_feature(ranker)
+  assert served.max_abs_feature == bound and 1e6 < bound < 1e19
+  r = _requests(1, start=7, mean=8)[0]
+  signs = np.sign(np.random.default_rng(0).normal(size=r.cand_dense.shape))
+  at_bound = dataclasses.replace(r, user_dense=np.full(CONFIG.user_dense, bound),
+                                 cand_dense=signs * bound)
+  scores = asyncio.run(_score_all(served, [at_bound]))[0]
+  assert np.isfinite(scores).all() and np.ptp(_alone(ranker, at_bound)) > 0
+  past = dataclasses.replace(r, user_dense=np.full(CONFIG.user_dense, 1e19),
+                             cand_dense=signs * 1e19)
+  assert np.ptp(_alone(ranker, past)) == 0  # what used to answer 200: one score for all
 
 
 def test_no_compilation_after_start_up(served):

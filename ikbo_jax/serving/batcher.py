@@ -31,6 +31,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -161,6 +162,7 @@ class Batcher:
     if self._task is None or self._task.done():
       raise RuntimeError("the batcher is not running: use `async with Batcher(...)`")
     request = request.validated(self.model.config)
+    _check_feature_range(request, getattr(self.model, "max_abs_feature", math.inf))
     largest = self.model.largest
     if len(request.history) > largest.history_slots:
       raise RequestError(f"history has {len(request.history)} items; the largest bucket takes "
@@ -319,3 +321,18 @@ def _split(request: Request, max_candidates: int) -> list[Request]:
       cand_dense=request.cand_dense[i:i + max_candidates],
       labels=None if request.labels is None else request.labels[i:i + max_candidates])
           for i in range(0, request.num_candidates, max_candidates)]
+
+
+def _check_feature_range(request: Request, bound: float) -> None:
+  """Refuses dense features past `bound`, where the model's arithmetic may overflow.
+
+  A scorer says its bound as `max_abs_feature` (`models.valid_range`); none means no bound.
+  """
+  for name in ("user_dense", "cand_dense"):
+    values = np.abs(getattr(request, name))
+    if values.size and values.max() > bound:
+      at = tuple(int(i) for i in np.unravel_index(int(values.argmax()), values.shape))
+      raise RequestError(
+          f"{name}{list(at)} = {float(getattr(request, name)[at]):g} is outside the model's "
+          f"valid range |x| <= {bound:.3g} (past it, its arithmetic can overflow and every "
+          "score would be the same)")

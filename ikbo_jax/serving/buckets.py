@@ -27,6 +27,7 @@ from flax import nnx
 
 from ikbo_jax.data import Request, pack_requests
 from ikbo_jax.models import Build, Ranker, RankerConfig, scores
+from ikbo_jax.models.valid_range import max_abs_dense_feature
 from ikbo_jax.serving.precast import jit_hoisted
 from ikbo_jax.serving.transfer import FlatLayout
 
@@ -112,6 +113,7 @@ class BucketedModel:
     config = model.config
     self.config, self.build = config, build
     self.buckets = checked_buckets(buckets, config)
+    self.max_abs_feature = max_abs_dense_feature(model)  # the batcher refuses larger features
     graphdef, state = nnx.split(model)
 
     def probabilities(layout: FlatLayout, state, flat: jax.Array) -> jax.Array:

@@ -39,6 +39,7 @@ from ikbo_jax.data import Request
 from ikbo_jax.data.packing import pack_candidates, pack_users
 from ikbo_jax.index import CandidateIndex
 from ikbo_jax.models import Build, Ranker
+from ikbo_jax.models.valid_range import max_abs_dense_feature
 from ikbo_jax.serving.buckets import (Bucket, bucket_holding, checked_buckets, per_request,
                                      smallest_fitting)
 from ikbo_jax.serving.precast import jit_hoisted
@@ -66,6 +67,7 @@ class CachedModel:
                on_compiled: Callable[[str, float], None] | None = None):
     self.config = model.config
     self.buckets = checked_buckets(buckets, model.config)
+    self.max_abs_feature = max_abs_dense_feature(model)  # the batcher refuses larger features
     graphdef, params = nnx.split(model)
     self._placement = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     params = jax.device_put(params, self._placement)

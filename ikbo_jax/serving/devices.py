@@ -40,6 +40,7 @@ class DeviceSet:
     self.replicas = [BucketedModel(model, buckets, build, device=d, on_compiled=on_compiled)
                      for d in devices]
     self.config, self.buckets, self.build = model.config, self.replicas[0].buckets, Build.parse(build)
+    self.max_abs_feature = self.replicas[0].max_abs_feature
     self.batches_per_device = [0] * len(devices)
     self._in_flight = [0] * len(devices)
     self._lock = threading.Lock()

@@ -3,7 +3,8 @@
     {"user_dense": [...], "history": [...], "cand_items": [...], "cand_dense": [[...], ...]}
     (JSON, or msgpack with each field a typed array of raw bytes: `serving.bodies`)
     -> 200 {"scores": [...]}   click probabilities, in candidate order
-    -> 400 {"error": "..."}    this request is malformed (names the field and the values)
+    -> 400 {"error": "..."}    this request is malformed (names the field and the values),
+                               or a dense feature is past the model's valid range
     -> 408                     its body did not arrive within `HttpLimits.body_timeout_s`
     -> 413                     its body or its candidate count is over the limit
     -> 415                     its content type is neither application/json nor msgpack
@@ -312,7 +313,7 @@ async def _score(http_request: HttpRequest, limits: HttpLimits, arrived: float) 
   finite = np.isfinite(scores)
   if not finite.all():
     raise _Refusal(422, f"{int((~finite).sum())} of the request's {scores.size} scores are not "
-                        "finite: its inputs overflow the model (e.g. a feature of 1e20)")
+                        "finite: its inputs overflow the model")
   return scores.tolist()
 
 
