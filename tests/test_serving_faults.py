@@ -438,3 +438,43 @@ def test_a_client_that_leaves_mid_body_is_counted_apart_from_server_errors(caplo
   assert 'ikbo_refused_total{reason="client_closed"} 1.0' in scrape
   assert 'status="500"' not in scrape
   assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_idle_connections_do_not_turn_requests_or_health_checks_away():
+  """50 idle connections against a limit of 5: requests in progress are what it counts.
+
+  Before, uvicorn counted every open connection, so the idle ones turned away real requests
+  and `/health/live` with 503 until the head deadline closed them.
+  """
+  app = create_app(SlowScorer(0.0))
+  with loopback.serving(app, http=guarded_http(30.0), limit_concurrency=5) as served_at:
+    host, port = served_at.url.removeprefix("http://").split(":")
+    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(50)]
+    try:
+      time.sleep(0.2)
+      request = _requests(1)[0]
+      with httpx.Client(base_url=served_at.url, timeout=5) as client:
+        start = time.perf_counter()
+        assert client.get("/health/live").status_code == 200
+        assert time.perf_counter() - start < 1
+        assert client.post("/score", json=_body(request)).status_code == 200
+    finally:
+      for conn in idle:
+        conn.close()
+
+
+def test_past_the_limit_of_requests_in_progress_scores_get_503_and_health_checks_pass():
+  app = create_app(SlowScorer(1.0))
+  with loopback.serving(app, http=guarded_http(30.0), limit_concurrency=3) as served_at:
+
+    async def run():
+      async with httpx.AsyncClient(base_url=served_at.url, timeout=30) as client:
+        body = _body(_requests(1)[0])
+        slow = [asyncio.create_task(client.post("/score", json=body)) for _ in range(3)]
+        await asyncio.sleep(0.3)  # the three are in progress now
+        refused = await client.post("/score", json=body)
+        health = await client.get("/health/live")
+        return refused.status_code, health.status_code, [(await t).status_code for t in slow]
+
+    refused, health, slow = asyncio.run(run())
+  assert (refused, health, slow) == (503, 200, [200, 200, 200])

@@ -12,8 +12,9 @@ and the server reports ready when they are done.
 
 Overload is answered, never dropped: the batcher refuses requests past its
 queue bounds (429) and answers those whose deadline passed in the queue (503);
-uvicorn answers 503 past `--max-connections`, and its accept backlog holds the
-connections it has not yet accepted. A connection must complete each request
+the server answers 503 past `--max-connections` requests in progress (idle connections
+do not count; health checks always pass), and its accept backlog holds the connections it
+has not yet accepted. A connection must complete each request
 head within `--head-seconds` (idle and drip-feeding clients cannot hold sockets),
 of at most `--max-head-bytes` and `--max-headers` fields (431 beyond).
 On SIGTERM it stops accepting, answers what is in flight, and exits within
@@ -61,7 +62,8 @@ def main(argv=None) -> None:
                       help="POST /score requests being read, parsed or scored at once "
                            "beyond which requests get 429 before their body is read")
   parser.add_argument("--max-connections", type=int, default=2048,
-                      help="open connections beyond which uvicorn answers 503")
+                      help="requests in progress beyond which the server answers 503 "
+                           "(idle connections do not count; health checks always pass)")
   parser.add_argument("--backlog", type=int, default=4096,
                       help="the socket's accept backlog (connections not yet accepted)")
   parser.add_argument("--idle-seconds", type=int, default=5,
