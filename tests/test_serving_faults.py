@@ -478,3 +478,29 @@ def test_past_the_limit_of_requests_in_progress_scores_get_503_and_health_checks
 
     refused, health, slow = asyncio.run(run())
   assert (refused, health, slow) == (503, 200, [200, 200, 200])
+
+
+def test_shutdown_answers_the_accept_queue_instead_of_resetting_it():
+  """200 connections connect and send a request at once; the server is told to stop.
+
+  Before, the listening socket closed at once and the kernel reset every connection still
+  in its accept queue; now each gets an answer: 200 if it was served, 503 if it came late.
+  """
+  with loopback.serving(create_app(SlowScorer(0.0)), http=guarded_http(30.0)) as served_at:
+    host, port = served_at.url.removeprefix("http://").split(":")
+    body = json.dumps(_body(_requests(1)[0])).encode()
+    head = _HEAD + b"Content-Length: %d\r\n\r\n" % len(body)
+    conns = [socket.create_connection((host, int(port)), timeout=10) for _ in range(200)]
+    for conn in conns:
+      conn.sendall(head + body)
+    served_at.server.should_exit = True
+    answers = collections.Counter()
+    for conn in conns:
+      try:
+        reply = conn.recv(64)
+        answers[reply[9:12].decode() if reply.startswith(b"HTTP/1.1") else "closed"] += 1
+      except (ConnectionResetError, TimeoutError):
+        answers["reset"] += 1
+      finally:
+        conn.close()
+  assert set(answers) <= {"200", "503"} and sum(answers.values()) == 200, answers

@@ -17,8 +17,9 @@ do not count; health checks always pass), and its accept backlog holds the conne
 has not yet accepted. A connection must complete each request
 head within `--head-seconds` (idle and drip-feeding clients cannot hold sockets),
 of at most `--max-head-bytes` and `--max-headers` fields (431 beyond).
-On SIGTERM it stops accepting, answers what is in flight, and exits within
-`--drain-seconds`.
+On SIGTERM it answers 503 to the requests still in its accept queue (instead of
+resetting their connections), stops accepting, answers what is in flight, and exits
+within `--drain-seconds`.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def _serve(args, parser) -> None:
   from ikbo_jax.serving.buckets import BucketedModel, default_buckets
   from ikbo_jax.serving.cached import CachedModel, user_state_bytes
   from ikbo_jax.serving.devices import DeviceSet
+  from ikbo_jax.serving.draining import DrainingServer
   from ikbo_jax.serving.http import HttpLimits, create_app
   from ikbo_jax.serving.protocol import guarded_http
 
@@ -156,9 +158,10 @@ def _serve(args, parser) -> None:
   app = create_app(build_model, batching, HttpLimits(max_body_bytes=args.max_body_bytes,
                                                          max_active=args.max_active))
   http = guarded_http(args.head_seconds, args.max_head_bytes, args.max_headers)
-  uvicorn.run(app, host=args.host, port=args.port, http=http, backlog=args.backlog,
-              limit_concurrency=args.max_connections, timeout_keep_alive=args.idle_seconds,
-              timeout_graceful_shutdown=args.drain_seconds)
+  DrainingServer(uvicorn.Config(
+      app, host=args.host, port=args.port, http=http, backlog=args.backlog,
+      limit_concurrency=args.max_connections, timeout_keep_alive=args.idle_seconds,
+      timeout_graceful_shutdown=args.drain_seconds)).run()
 
 
 if __name__ == "__main__":

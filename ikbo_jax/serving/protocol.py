@@ -70,11 +70,14 @@ class _GuardedProtocol(HttpToolsProtocol):
     # uvicorn answers 503 once `limit_concurrency` connections are open, idle ones included,
     # health checks included: 2,100 idle connections turned away 99% of real requests and
     # `/health/live`. Here the limit counts requests in progress (idle connections are bounded
-    # by the head deadline), and health checks, which cost nothing, always pass.
+    # by the head deadline), and health checks, which cost nothing, always pass. While the
+    # server drains its accept queue to shut down (`draining.py`), every other request gets
+    # the 503.
     self._reading_head = False
     limit = self.limit_concurrency
-    admit = (limit is None or self.url.startswith(b"/health")
-             or len(self.tasks) < limit)
+    shutting_down = getattr(self.server_state, "refusing", False)
+    admit = self.url.startswith(b"/health") or not shutting_down and (
+        limit is None or len(self.tasks) < limit)
     self.limit_concurrency = None if admit else 0  # 0: uvicorn's own 503 for this request
     try:
       super().on_headers_complete()

@@ -1,4 +1,7 @@
-"""An ASGI app served by uvicorn on a free loopback port, in a thread, for tests."""
+"""An ASGI app served by uvicorn on a free loopback port, in a thread, for tests.
+
+The server is the command line's (`serving.draining.DrainingServer`).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import uvicorn
+
+from ikbo_jax.serving.draining import DrainingServer
 
 
 class Loopback(NamedTuple):
@@ -30,7 +35,7 @@ def serving(app, **config) -> Iterator[Loopback]:
   """Runs `app` until the block ends. `config` goes to `uvicorn.Config`."""
   port = free_port()
   config = dict(log_level="warning", **config)
-  server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **config))
+  server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, **config))
   thread = threading.Thread(target=server.run, daemon=True)
   thread.start()
   try:
