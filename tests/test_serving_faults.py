@@ -504,3 +504,26 @@ def test_shutdown_answers_the_accept_queue_instead_of_resetting_it():
       finally:
         conn.close()
   assert set(answers) <= {"200", "503"} and sum(answers.values()) == 200, answers
+
+
+def test_bodies_that_trickle_are_cut_and_their_slots_come_back():
+  """20 clients trickle bodies into the 20 slots of `max_active`: each is cut (408) once its
+  body falls below the minimum rate, and a real request is then served.
+
+  Before, each held its slot for `body_timeout_s` (10 s), and real requests got 429."""
+  limits = HttpLimits(max_active=20, min_body_rate=2000.0, body_grace_s=0.3)
+  with loopback.serving(create_app(SlowScorer(0.0), limits=limits)) as served_at:
+    host, port = served_at.url.removeprefix("http://").split(":")
+    start = time.perf_counter()
+    conns = [socket.create_connection((host, int(port)), timeout=10) for _ in range(20)]
+    for conn in conns:
+      conn.sendall(_HEAD + b"Content-Length: 100000\r\n\r\n{")
+    replies = []
+    for conn in conns:
+      with conn:
+        replies.append(conn.recv(4096).decode())
+    cut_after = time.perf_counter() - start
+    with httpx.Client(base_url=served_at.url) as client:
+      assert client.post("/score", json=_body(_requests(1)[0])).status_code == 200
+  assert all(r.startswith("HTTP/1.1 408") and "bytes/s" in r for r in replies), replies[0]
+  assert cut_after < 3

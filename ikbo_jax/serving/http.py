@@ -5,7 +5,8 @@
     -> 200 {"scores": [...]}   click probabilities, in candidate order
     -> 400 {"error": "..."}    this request is malformed (names the field and the values),
                                or a dense feature is past the model's valid range
-    -> 408                     its body did not arrive within `HttpLimits.body_timeout_s`
+    -> 408                     its body did not arrive within `HttpLimits.body_timeout_s`,
+                               or kept arriving slower than `HttpLimits.min_body_rate`
     -> 413                     its body or its candidate count is over the limit
     -> 415                     its content type is neither application/json nor msgpack
     -> 422                     it is well formed but its scores are not finite (inputs overflow)
@@ -60,6 +61,9 @@ class HttpLimits:
     max_body_bytes: the largest body read (413 beyond).
     max_candidates: the most candidates in one request (413 beyond).
     body_timeout_s: how long the body may take to arrive (408 beyond).
+    min_body_rate: bytes per second a body must keep arriving at, after its first
+      `body_grace_s` (408 below): a client that trickles its body holds a slot of
+      `max_active` for seconds at most, not for `body_timeout_s`.
     max_timeout_ms: the longest deadline `X-Timeout-Ms` may ask for (400 beyond): a
       request that may wait for ever holds its slot and memory for ever.
     retry_after_s: the `Retry-After` of a 429 or 503.
@@ -72,6 +76,8 @@ class HttpLimits:
   max_body_bytes: int = 8 << 20
   max_candidates: int = 8192
   body_timeout_s: float = 10.0
+  min_body_rate: float = 64 * 1024
+  body_grace_s: float = 1.0
   max_timeout_ms: float = 60_000.0
   retry_after_s: int = 1
   max_active: int = 256
@@ -323,10 +329,19 @@ async def _read_body(http_request: HttpRequest, limits: HttpLimits) -> bytes:
     raise _Refusal(413, f"the body may have at most {limits.max_body_bytes} bytes, "
                         f"Content-Length says {declared}")
 
+  start, size = time.perf_counter(), 0
+
   async def read() -> bytes:
-    chunks, size = [], 0
+    nonlocal size
+    chunks, stream = [], http_request.stream()
     try:
-      async for chunk in http_request.stream():
+      while True:
+        # The next bytes are due when the body would fall below the minimum rate.
+        due = max(limits.body_grace_s, (size + 1) / limits.min_body_rate)
+        try:
+          chunk = await asyncio.wait_for(anext(stream), due - (time.perf_counter() - start))
+        except StopAsyncIteration:
+          return b"".join(chunks)
         size += len(chunk)
         if size > limits.max_body_bytes:
           raise _Refusal(413, f"the body may have at most {limits.max_body_bytes} bytes")
@@ -334,11 +349,14 @@ async def _read_body(http_request: HttpRequest, limits: HttpLimits) -> bytes:
     except ClientDisconnect:  # the client's doing, not a server error: no 500, no ERROR line
       raise _Refusal(499, f"the client closed its connection after {size} bytes of its "
                           "body") from None
-    return b"".join(chunks)
 
   try:
     return await asyncio.wait_for(read(), limits.body_timeout_s)
   except TimeoutError:
+    took = time.perf_counter() - start
+    if took < limits.body_timeout_s:
+      raise _Refusal(408, f"the body arrived at {size / took:.0f} bytes/s ({size} bytes in "
+                          f"{took:.1f} s); the minimum is {limits.min_body_rate:.0f}") from None
     raise _Refusal(408, f"the body did not arrive within {limits.body_timeout_s} s") from None
 
 
