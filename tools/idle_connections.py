@@ -1,0 +1,87 @@
+"""A hostile client's idle connections against the real server: are real requests still served?
+
+    python tools/idle_connections.py --idle 2100 --out idle.json
+
+Starts `python -m ikbo_jax.serving` (small preset, random weights) on a loopback port, waits
+until it is ready, opens `--idle` connections that never send a byte, then sends `--requests`
+real `POST /score` requests and as many `GET /health/live`, one at a time, and counts their
+statuses and the health checks' latency. `--src` runs another checkout's server (to measure the
+code before a change in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--idle", type=int, default=2100)
+  parser.add_argument("--requests", type=int, default=100)
+  parser.add_argument("--src", default=".", help="the checkout whose server runs")
+  parser.add_argument("--out", required=True)
+  args = parser.parse_args()
+  sys.path.insert(0, os.path.abspath(args.src))
+  from ikbo_jax.data.synthetic import ClickGenerator
+  from ikbo_jax.models import RankerConfig
+  from ikbo_jax.serving import bodies
+  from ikbo_jax.testing.loopback import free_port
+
+  port = free_port()
+  env = dict(os.environ, PYTHONPATH=os.path.abspath(args.src), JAX_PLATFORMS="cpu")
+  server = subprocess.Popen([sys.executable, "-m", "ikbo_jax.serving", "--port", str(port)],
+                            cwd=args.src, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+  url = f"http://127.0.0.1:{port}"
+  try:
+    with httpx.Client(base_url=url, timeout=10) as client:
+      deadline = time.time() + 300
+      while time.time() < deadline:
+        try:
+          if client.get("/health/ready").status_code == 200:
+            break
+        except httpx.TransportError:
+          pass
+        time.sleep(0.5)
+      idle = [socket.create_connection(("127.0.0.1", port), timeout=10)
+              for _ in range(args.idle)]
+      time.sleep(1.0)  # the server has accepted them
+      body = bodies.encode(ClickGenerator(RankerConfig(), seed=0).request(0))
+      scores, health, health_ms = collections.Counter(), collections.Counter(), []
+      for _ in range(args.requests):
+        try:
+          scores[client.post("/score", content=body,
+                             headers={"content-type": bodies.JSON}).status_code] += 1
+        except httpx.TransportError as e:
+          scores[type(e).__name__] += 1
+        start = time.perf_counter()
+        try:
+          health[client.get("/health/live").status_code] += 1
+        except httpx.TransportError as e:
+          health[type(e).__name__] += 1
+        health_ms.append(1e3 * (time.perf_counter() - start))
+      for conn in idle:
+        conn.close()
+  finally:
+    server.terminate()
+    server.wait(timeout=60)
+  result = dict(idle_connections=args.idle, score_statuses=dict(scores),
+                health_statuses=dict(health), health_ms_p50=statistics.median(health_ms),
+                health_ms_max=max(health_ms))
+  print(json.dumps(result))
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
