@@ -84,6 +84,16 @@ class _GuardedProtocol(HttpToolsProtocol):
     finally:
       self.limit_concurrency = limit
 
+  def shutdown(self) -> None:
+    # uvicorn closes a connection whose request it has not parsed yet at once; if the request's
+    # bytes were already in the socket, the kernel answers them with a reset. Such a
+    # connection (one accepted while the server drains its queue) gets a moment to be read
+    # and answered (503) first.
+    if self.cycle is None and not self.transport.is_closing():
+      self.loop.call_later(0.05, super().shutdown)
+      return
+    super().shutdown()
+
   def on_message_complete(self) -> None:
     super().on_message_complete()
     self._reading_head, self._head_bytes = True, 0
