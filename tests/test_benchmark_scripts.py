@@ -72,14 +72,15 @@ def test_small_results_are_complete(small_run):
     assert saving["saves_per_round"] == 4 and saving["plain_ms_per_step"] > 0
   elif name == "rewrite":
     cases = result["cases"]
-    assert set(cases) == {"lce", "target_attention", "dlrm", "ranker", "repeat_dlrm",
-                          "pairwise", "gqa_attention", "tower"}
+    towers = {"tower", "scan_tower", "lookup_tower"}
+    assert set(cases) == {"lce", "lce_take", "target_attention", "dlrm", "ranker", "repeat_dlrm",
+                          "pairwise", "gqa_attention", *towers}
     for case, row in cases.items():
       assert row["original"]["ms"] > 0 and row["rewritten"]["ms"] > 0 and row["ikbo"]["ms"] > 0
       assert row["rewritten_relative_error"] < 1e-4, (case, row["rewritten_relative_error"])
-      # The tower's scores multiply user rows by candidate rows: that one copy is inherent.
-      expected = "1 materialized" if case == "tower" else "materialized"
-      assert (expected in row["changes"]) == (case == "tower"), row["changes"]
+      # A tower's scores multiply user rows by candidate rows: that one copy is inherent.
+      expected = "1 materialized" if case in towers else "materialized"
+      assert (expected in row["changes"]) == (case in towers), row["changes"]
   elif name == "linear_compression":
     row = result["ladder"]["baseline_materialized"]
     assert row["ms"] > 0 and 0 < row["roofline_fraction"] and row["tbps"] > 0

@@ -23,6 +23,7 @@ from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.models import Build, RankerConfig
 from ikbo_jax.serving import Batcher, BatchingConfig, Bucket, http_load
 from ikbo_jax.serving.batcher import DeadlineExceeded, Overloaded
+from ikbo_jax.serving.draining import DrainingServer
 from ikbo_jax.serving.http import HttpLimits, create_app
 from ikbo_jax.serving.protocol import guarded_http
 from ikbo_jax.testing import loopback
@@ -262,7 +263,8 @@ def test_shutdown_answers_what_is_in_flight_then_exits():
       served_at.server.should_exit = True
       return await asyncio.gather(*sent, return_exceptions=True)
 
-  with loopback.serving(create_app(model, batching), timeout_graceful_shutdown=10) as served_at:
+  with loopback.serving(create_app(model, batching), DrainingServer,
+                        timeout_graceful_shutdown=10) as served_at:
     start = time.perf_counter()
     responses = asyncio.run(offer(served_at))
     served_at.thread.join(timeout=30)
@@ -486,7 +488,8 @@ def test_shutdown_answers_the_accept_queue_instead_of_resetting_it():
   Before, the listening socket closed at once and the kernel reset every connection still
   in its accept queue; now each gets an answer: 200 if it was served, 503 if it came late.
   """
-  with loopback.serving(create_app(SlowScorer(0.0)), http=guarded_http(30.0)) as served_at:
+  with loopback.serving(create_app(SlowScorer(0.0)), DrainingServer,
+                        http=guarded_http(30.0)) as served_at:
     host, port = served_at.url.removeprefix("http://").split(":")
     body = json.dumps(_body(_requests(1)[0])).encode()
     head = _HEAD + b"Content-Length: %d\r\n\r\n" % len(body)

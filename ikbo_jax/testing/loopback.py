@@ -1,7 +1,4 @@
-"""An ASGI app served by uvicorn on a free loopback port, in a thread, for tests.
-
-The server is the command line's (`serving.draining.DrainingServer`).
-"""
+"""An ASGI app served by uvicorn on a free loopback port, in a thread, for tests."""
 
 from __future__ import annotations
 
@@ -13,8 +10,6 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import uvicorn
-
-from ikbo_jax.serving.draining import DrainingServer
 
 
 class Loopback(NamedTuple):
@@ -31,11 +26,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(app, **config) -> Iterator[Loopback]:
-  """Runs `app` until the block ends. `config` goes to `uvicorn.Config`."""
+def serving(app, server_class: type[uvicorn.Server] = uvicorn.Server,
+            **config) -> Iterator[Loopback]:
+  """Runs `app` on a `server_class` until the block ends. `config` goes to `uvicorn.Config`."""
   port = free_port()
   config = dict(log_level="warning", **config)
-  server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, **config))
+  server = server_class(uvicorn.Config(app, host="127.0.0.1", port=port, **config))
   thread = threading.Thread(target=server.run, daemon=True)
   thread.start()
   try:
