@@ -53,6 +53,47 @@ def _stacked_marker():
   return list(eqn.params["ft_out"].unpack()[1])[0]
 
 
+def _carried(v, form) -> list:
+  """The arrays `lax.scan` carries for value `v` of `form`."""
+  if isinstance(form, tuple):
+    return [materialize(v)]
+  return [leaf for leaf in jax.tree.leaves(v) if not _is_fixed(leaf)]
+
+
+def _enter(arrays, form):
+  """The value of `form` that the body sees for the carried `arrays`."""
+  if isinstance(form, tuple):
+    return Plain(arrays[0], *form)
+  leaves, treedef = jax.tree.flatten(form)
+  it = iter(arrays)
+  return jax.tree.unflatten(treedef, [leaf if _is_fixed(leaf) else next(it) for leaf in leaves])
+
+
+def _values(arrays, init, forms) -> list:
+  """The carries' values for the flat carried `arrays` (`init` gives each carry's count)."""
+  values, at = [], 0
+  for v, form in zip(init, forms):
+    n = len(_carried(v, form))
+    values.append(_enter(arrays[at:at + n], form))
+    at += n
+  return values
+
+
+def _check(i: int, out, form) -> None:
+  """Raises `_FormChanged` if the body returns carry `i` in another form than `form`."""
+  if isinstance(form, tuple):
+    widened = tuple(a or b for a, b in zip(form, _flags(out)))
+    if widened != form:
+      raise _FormChanged(i, widened)
+    return
+  leaves, treedef = jax.tree.flatten(form)
+  out_leaves, out_treedef = jax.tree.flatten(out)
+  if out_treedef != treedef or any(
+      (a is not b) if _is_fixed(a) else (jnp.shape(a) != jnp.shape(b) or a.dtype != b.dtype)
+      for a, b in zip(leaves, out_leaves)):
+    raise _FormChanged(i, tuple(a or b for a, b in zip(_flags(form), _flags(out))))
+
+
 def scan(rw, eqn, operands):
   # The operands' groups (consts, carries, scanned inputs) and the outputs' (carries, stacked).
   ft_in = [list(group) for group in eqn.params["ft_in"].unpack()]
@@ -68,58 +109,28 @@ def scan(rw, eqn, operands):
   # Per carry: the lazy value it starts as (a lazy form), or the lineage flags of an ordinary one.
   forms = [v if isinstance(v, LAZY) else _flags(v) for v in init]
 
-  def carried(v, form):
-    """The arrays that `lax.scan` carries for a value of `form`."""
-    if isinstance(form, tuple):
-      return [materialize(v)]
-    return [leaf for leaf in jax.tree.leaves(v) if not _is_fixed(leaf)]
-
-  def enter(arrays, form):
-    """The value of `form` that the body sees for `arrays`."""
-    if isinstance(form, tuple):
-      return Plain(arrays[0], *form)
-    leaves, treedef = jax.tree.flatten(form)
-    it = iter(arrays)
-    return jax.tree.unflatten(treedef, [leaf if _is_fixed(leaf) else next(it) for leaf in leaves])
-
-  def check(i, out, form):
-    """Raises `_FormChanged` if the body returns carry `i` in another form than `form`."""
-    if isinstance(form, tuple):
-      widened = tuple(a or b for a, b in zip(form, _flags(out)))
-      if widened != form:
-        raise _FormChanged(i, widened)
-      return
-    leaves, treedef = jax.tree.flatten(form)
-    out_leaves, out_treedef = jax.tree.flatten(out)
-    if out_treedef != treedef or any(
-        (a is not b) if _is_fixed(a) else (jnp.shape(a) != jnp.shape(b) or a.dtype != b.dtype)
-        for a, b in zip(leaves, out_leaves)):
-      raise _FormChanged(i, tuple(a or b for a, b in zip(_flags(form), _flags(out))))
-
   def attempt(report):
     y_flags = []
 
     def step(carry_arrays, x_arrays):
-      sizes = [len(carried(v, f)) for v, f in zip(init, forms)]
-      starts = [sum(sizes[:i]) for i in range(len(sizes))]
-      carry = [enter(carry_arrays[s:s + n], f) for s, n, f in zip(starts, sizes, forms)]
+      carry = _values(carry_arrays, init, forms)
       xs_in = [Plain(x, *_flags(v)) for x, v in zip(x_arrays, xs)]
       outs = rw.nested(report).eval_jaxpr(body.jaxpr, body.consts, [*consts, *carry, *xs_in])
       carry_out, ys = outs[:n_carry], outs[n_carry:]
       for i, (out, form) in enumerate(zip(carry_out, forms)):
-        check(i, out, form)
+        _check(i, out, form)
       y_flags[:] = [_flags(y) for y in ys]
-      new_carry = [a for out, form in zip(carry_out, forms) for a in carried(out, form)]
-      new_carry = [a.astype(b.dtype) for a, b in zip(new_carry, carry_arrays)]
-      return new_carry, [materialize(y) for y in ys]
+      new_carry = [a for out, form in zip(carry_out, forms) for a in _carried(out, form)]
+      return ([a.astype(b.dtype) for a, b in zip(new_carry, carry_arrays)],
+              [materialize(y) for y in ys])
 
-    init_arrays = [a for v, f in zip(init, forms) for a in carried(v, f)]
+    init_arrays = [a for v, form in zip(init, forms) for a in _carried(v, form)]
     final, stacked = jax.lax.scan(step, init_arrays, [x.value for x in xs],
                                   length=eqn.params["length"], reverse=eqn.params["reverse"],
                                   unroll=eqn.params["unroll"])
     return final, stacked, y_flags
 
-  while True:
+  while True:  # each retry demotes a carry or widens a flag: a few at most
     report = Report(context=list(rw.report.context))
     try:
       final, stacked, y_flags = attempt(report)
@@ -133,10 +144,7 @@ def scan(rw, eqn, operands):
   demoted = sum(isinstance(f, tuple) and isinstance(v, LAZY)
                 for f, v in zip(forms, operands[n_consts:n_consts + n_carry]))
   rw.report.add("entered", eqn, reason=f"{demoted} carries made ordinary" if demoted else "")
-  sizes = [len(carried(v, f)) for v, f in zip(init, forms)]
-  starts = [sum(sizes[:i]) for i in range(len(sizes))]
-  carry_out = [enter(final[s:s + n], f) for s, n, f in zip(starts, sizes, forms)]
-  return [*carry_out, *(Plain(y, *flags) for y, flags in zip(stacked, y_flags))]
+  return [*_values(final, init, forms), *(Plain(y, *flags) for y, flags in zip(stacked, y_flags))]
 
 
 RULES = {P.scan_p: scan}
