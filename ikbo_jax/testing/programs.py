@@ -155,13 +155,14 @@ def _scan(step: Step, x, y, params):
   """A scan over `x`'s rows, a stack of layers carrying `x`, or layers that mix `y` into it."""
   if step.option == "rows":
     return jax.lax.scan(lambda c, row: (c + row, c * row), jnp.zeros(F), x)[1]
+  # The carries keep their dtype (a float64 replay, `tools/rewrite_triage.py`, mixes dtypes).
   if step.option == "layers":
     def layer(h, w):
-      h = jnp.tanh(h @ w)
+      h = jnp.tanh(h @ w).astype(h.dtype)
       return h, jnp.sum(h, axis=-1)
     h, sums = jax.lax.scan(layer, x, params["w"], reverse=step.b % 2 == 1)
     return h + jnp.mean(sums, axis=0)[:, None]
-  return jax.lax.scan(lambda h, w: (h @ w + y, None), x, params["w"])[0]
+  return jax.lax.scan(lambda h, w: ((h @ w + y).astype(h.dtype), None), x, params["w"])[0]
 
 
 def _attention(step: Step, params, cand, batch):
