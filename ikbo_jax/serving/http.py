@@ -342,6 +342,11 @@ async def _read_body(http_request: HttpRequest, limits: HttpLimits) -> bytes:
           chunk = await asyncio.wait_for(anext(stream), due - (time.perf_counter() - start))
         except StopAsyncIteration:
           return b"".join(chunks)
+        except TimeoutError:
+          took = time.perf_counter() - start
+          raise _Refusal(408, f"the body arrived at {size / took:.0f} bytes/s ({size} bytes in "
+                              f"{took:.1f} s); the minimum is {limits.min_body_rate:.0f}"
+                         ) from None
         size += len(chunk)
         if size > limits.max_body_bytes:
           raise _Refusal(413, f"the body may have at most {limits.max_body_bytes} bytes")
@@ -352,11 +357,7 @@ async def _read_body(http_request: HttpRequest, limits: HttpLimits) -> bytes:
 
   try:
     return await asyncio.wait_for(read(), limits.body_timeout_s)
-  except TimeoutError:
-    took = time.perf_counter() - start
-    if took < limits.body_timeout_s:
-      raise _Refusal(408, f"the body arrived at {size / took:.0f} bytes/s ({size} bytes in "
-                          f"{took:.1f} s); the minimum is {limits.min_body_rate:.0f}") from None
+  except TimeoutError:  # the whole body's limit (the rate's is a `_Refusal` already)
     raise _Refusal(408, f"the body did not arrive within {limits.body_timeout_s} s") from None
 
 
