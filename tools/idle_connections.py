@@ -17,11 +17,12 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import time
 
 import httpx
+
+import served_checkout
 
 
 def main() -> None:
@@ -38,21 +39,10 @@ def main() -> None:
   from ikbo_jax.testing.loopback import free_port
 
   port = free_port()
-  env = dict(os.environ, PYTHONPATH=os.path.abspath(args.src), JAX_PLATFORMS="cpu")
-  server = subprocess.Popen([sys.executable, "-m", "ikbo_jax.serving", "--port", str(port)],
-                            cwd=args.src, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+  server = served_checkout.start(args.src, port)
   url = f"http://127.0.0.1:{port}"
   try:
     with httpx.Client(base_url=url, timeout=10) as client:
-      deadline = time.time() + 300
-      while time.time() < deadline:
-        try:
-          if client.get("/health/ready").status_code == 200:
-            break
-        except httpx.TransportError:
-          pass
-        time.sleep(0.5)
       idle = [socket.create_connection(("127.0.0.1", port), timeout=10)
               for _ in range(args.idle)]
       time.sleep(1.0)  # the server has accepted them

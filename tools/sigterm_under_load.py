@@ -18,12 +18,11 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 
-import httpx
+import served_checkout
 
 
 def _one(port: int, request: bytes) -> str:
@@ -54,19 +53,7 @@ def main() -> None:
   from ikbo_jax.testing.loopback import free_port
 
   port = free_port()
-  env = dict(os.environ, PYTHONPATH=os.path.abspath(args.src), JAX_PLATFORMS="cpu")
-  server = subprocess.Popen([sys.executable, "-m", "ikbo_jax.serving", "--port", str(port)],
-                            cwd=args.src, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-  with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-    deadline = time.time() + 300
-    while time.time() < deadline:
-      try:
-        if client.get("/health/ready").status_code == 200:
-          break
-      except httpx.TransportError:
-        pass
-      time.sleep(0.5)
+  server = served_checkout.start(args.src, port)
   body = bodies.encode(ClickGenerator(RankerConfig(), seed=0).request(0))
   request = (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
              b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
