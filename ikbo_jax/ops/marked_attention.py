@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ikbo_jax.ops.target_attention.xla import in_history
+
 _PREFIX = "ikbo_marked_attention_"
 _OPTIONS: dict[str, tuple[bool, float | None, str | None]] = {}
 
@@ -53,7 +55,7 @@ def marked(causal: bool, scale: float | None, implementation: str | None):
       # Keys past a row's length are never read, in either direction: zeroed by a select,
       # whatever they hold (a padding NaN or Inf) and whatever the output's cotangent is
       # (a NaN one would otherwise reach them as 0 * NaN), as IKBO's kernels skip them.
-      valid = (jnp.arange(k.shape[1]) < kv_len[:, None])[:, :, None, None]
+      valid = in_history(kv_len, k.shape[1])
       k, v = (jnp.where(valid, x, jnp.zeros((), x.dtype)) for x in (k, v))
     q_lengths = None if lengths is None else jnp.full(lengths.shape, q.shape[1], jnp.int32)
     out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
