@@ -15,6 +15,7 @@ import io
 import logging
 import sys
 import threading
+import warnings
 
 _CLOSED_LOOP = "RuntimeError: Event loop is closed"
 
@@ -57,6 +58,9 @@ def quiet() -> None:
   """Installs the filters for this process (the training command's)."""
   for name in ("absl", "asyncio"):
     logging.getLogger(name).setLevel(logging.CRITICAL)
+  # orbax's write coroutines of a failed save, collected at exit, warn that they never ran.
+  warnings.filterwarnings("ignore", message="coroutine .* was never awaited",
+                          category=RuntimeWarning)
   closed_loop = lambda value: isinstance(value, RuntimeError) and str(value) == (
       "Event loop is closed")
   hook, thread_hook = sys.excepthook, threading.excepthook
