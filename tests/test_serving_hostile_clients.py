@@ -7,6 +7,7 @@ Each starts the real HTTP server (uvicorn on a loopback port) over the fake scor
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import socket
@@ -183,24 +184,79 @@ def test_shutdown_answers_the_accept_queue_instead_of_resetting_it():
   assert set(answers) <= {"200", "503"} and sum(answers.values()) == 200, answers
 
 
+def _start_bodies(served_at, count, source="127.0.0.1"):
+  """`count` connections from `source` that each send a head and the first byte of a body."""
+  host, port = served_at.url.removeprefix("http://").split(":")
+  conns = [socket.create_connection((host, int(port)), timeout=10, source_address=(source, 0))
+           for _ in range(count)]
+  for conn in conns:
+    conn.sendall(HEAD + b"Content-Length: 100000\r\n\r\n{")
+  return conns
+
+
+def _post_from(served_at, source):
+  transport = httpx.HTTPTransport(local_address=source)
+  with httpx.Client(base_url=served_at.url, transport=transport) as client:
+    return client.post("/score", json=json_body(some_requests(1)[0]))
+
+
 def test_bodies_that_trickle_are_cut_and_their_slots_come_back():
-  """20 clients trickle bodies into the 20 slots of `max_active`: each is cut (408) once its
-  body falls below the minimum rate, and a real request is then served.
+  """20 clients trickle bodies at the same time: each is cut (408) once its body falls
+  below the minimum rate, and a real request is then served.
 
   Before, each held its slot for `body_timeout_s` (10 s), and real requests got 429."""
   limits = HttpLimits(max_active=20, min_body_rate=2000.0, body_grace_s=0.3)
   with loopback.serving(create_app(SlowScorer(0.0), limits=limits)) as served_at:
-    host, port = served_at.url.removeprefix("http://").split(":")
     start = time.perf_counter()
-    conns = [socket.create_connection((host, int(port)), timeout=10) for _ in range(20)]
-    for conn in conns:
-      conn.sendall(HEAD + b"Content-Length: 100000\r\n\r\n{")
     replies = []
-    for conn in conns:
+    for conn in _start_bodies(served_at, 20):
       with conn:
         replies.append(conn.recv(4096).decode())
     cut_after = time.perf_counter() - start
-    with httpx.Client(base_url=served_at.url) as client:
-      assert client.post("/score", json=json_body(some_requests(1)[0])).status_code == 200
+    assert _post_from(served_at, "127.0.0.1").status_code == 200
   assert all(r.startswith("HTTP/1.1 408") and "bytes/s" in r for r in replies), replies[0]
   assert cut_after < 3
+
+
+def test_http_limits_are_checked():
+  with pytest.raises(ValueError, match="HttpLimits.max_receiving_per_peer must be > 0, got 0"):
+    HttpLimits(max_receiving_per_peer=0)
+
+
+def test_bodies_still_arriving_hold_no_slot_of_the_requests_being_served():
+  """40 bodies arriving slowly, twice `max_active`: a real request is served meanwhile.
+
+  Before, a body being received held one of `max_active`'s slots: clients trickling bodies
+  and reconnecting when cut kept every slot, and real requests got 429."""
+  limits = HttpLimits(max_active=20, body_grace_s=5.0)
+  with loopback.serving(create_app(SlowScorer(0.0), limits=limits)) as served_at:
+    arriving = _start_bodies(served_at, 40)
+    time.sleep(0.3)  # the server has read their heads
+    assert _post_from(served_at, "127.0.0.1").status_code == 200
+    for conn in arriving:
+      conn.close()
+
+
+def test_one_client_may_not_hold_most_of_the_bodies_being_received():
+  """One address sending 12 bodies at once against a bound of 8 per client: the 4 past it
+  get 429 at once; another address is served; once 10 bodies in all are arriving (the
+  server's bound), another address gets 503."""
+  limits = HttpLimits(max_receiving=10, max_receiving_per_peer=8, body_grace_s=5.0)
+  with loopback.serving(create_app(SlowScorer(0.0), limits=limits)) as served_at:
+    greedy = _start_bodies(served_at, 12)
+    time.sleep(0.3)
+    for conn in greedy:
+      conn.settimeout(0.5)
+    refused = []
+    for conn in greedy:
+      with contextlib.suppress(TimeoutError):
+        refused.append(conn.recv(4096).decode())
+    assert _post_from(served_at, "127.0.0.2").status_code == 200
+    others = _start_bodies(served_at, 2, source="127.0.0.3")
+    time.sleep(0.3)
+    full = _post_from(served_at, "127.0.0.2")
+    for conn in greedy + others:
+      conn.close()
+  assert len(refused) == 4, refused
+  assert all(r.startswith("HTTP/1.1 429") and "already sending 8 bodies" in r for r in refused)
+  assert full.status_code == 503 and "10 request bodies" in full.json()["error"], full.text

@@ -60,8 +60,14 @@ def main(argv=None) -> None:
   parser.add_argument("--max-body-bytes", type=int, default=8 << 20,
                       help="the largest request body (413 beyond)")
   parser.add_argument("--max-active", type=int, default=256,
-                      help="POST /score requests being read, parsed or scored at once "
-                           "beyond which requests get 429 before their body is read")
+                      help="POST /score requests whose body arrived, being parsed or scored "
+                           "at once, beyond which requests get 429")
+  parser.add_argument("--max-receiving", type=int, default=1024,
+                      help="request bodies being received at once beyond which requests "
+                           "get 503")
+  parser.add_argument("--max-receiving-per-peer", type=int, default=128,
+                      help="request bodies one client address may be sending at once (429 "
+                           "beyond); behind a proxy, set it to --max-receiving")
   parser.add_argument("--max-connections", type=int, default=2048,
                       help="requests in progress beyond which the server answers 503 "
                            "(idle connections do not count; health checks always pass)")
@@ -155,8 +161,10 @@ def _serve(args, parser) -> None:
                             max_queued_candidates=args.max_queued_candidates,
                             max_in_flight=args.max_in_flight or 2 * args.devices,
                             default_timeout_ms=args.timeout_ms)
-  app = create_app(build_model, batching, HttpLimits(max_body_bytes=args.max_body_bytes,
-                                                         max_active=args.max_active))
+  limits = HttpLimits(max_body_bytes=args.max_body_bytes, max_active=args.max_active,
+                      max_receiving=args.max_receiving,
+                      max_receiving_per_peer=args.max_receiving_per_peer)
+  app = create_app(build_model, batching, limits)
   http = guarded_http(args.head_seconds, args.max_head_bytes, args.max_headers)
   DrainingServer(uvicorn.Config(
       app, host=args.host, port=args.port, http=http, backlog=args.backlog,

@@ -10,9 +10,11 @@
     -> 413                     its body or its candidate count is over the limit
     -> 415                     its content type is neither application/json nor msgpack
     -> 422                     it is well formed but its scores are not finite (inputs overflow)
-    -> 429 + Retry-After       the queue is at its bound: refused before it was queued
+    -> 429 + Retry-After       the queue is at its bound: refused before it was queued; or
+                               this client is sending too many bodies at once
     -> 503 + Retry-After       its deadline passed while it was read or queued (never
-                               computed), or the server is still compiling
+                               computed), the server is still compiling, or receiving
+                               `HttpLimits.max_receiving` bodies
     (499, nginx's "client closed request", in the metrics only: the client left before its
     body arrived; nothing is sent, and it is counted apart from the server's errors)
 
@@ -39,7 +41,7 @@ from collections.abc import Callable
 
 import numpy as np
 from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request as HttpRequest
+from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.schemas import SchemaGenerator
@@ -47,6 +49,7 @@ from starlette.schemas import SchemaGenerator
 from ikbo_jax import __version__
 from ikbo_jax.data import RequestError
 from ikbo_jax.serving import bodies
+from ikbo_jax.serving.admission import Admission, Refusal, receive_body
 from ikbo_jax.serving.batcher import Batcher, BatchingConfig, DeadlineExceeded, Overloaded
 from ikbo_jax.serving.cached import CachedModel
 from ikbo_jax.serving.metrics import ServingMetrics
@@ -67,10 +70,16 @@ class HttpLimits:
     max_timeout_ms: the longest deadline `X-Timeout-Ms` may ask for (400 beyond): a
       request that may wait for ever holds its slot and memory for ever.
     retry_after_s: the `Retry-After` of a 429 or 503.
-    max_active: `POST /score` requests being read, parsed or scored at once; one
-      more is answered 429 before its body is read. The batcher's bounds hold
-      what waits for the model; this one holds what waits for the host (JSON,
-      the event loop), which is where an overloaded CPU-bound server queues.
+    max_active: `POST /score` requests whose body arrived, being decoded or scored
+      at once; one more is answered 429 (before its body is read, if it is full
+      then). The batcher's bounds hold what waits for the model; this one holds
+      what waits for the host (JSON, the event loop), which is where an
+      overloaded CPU-bound server queues.
+    max_receiving: request bodies being received at once (503 beyond); with
+      `max_body_bytes`, the memory that bodies in flight may hold.
+    max_receiving_per_peer: bodies one client address may be sending at once (429
+      beyond): a client trickling bodies on many connections cannot crowd out
+      the others (`serving.admission`; behind a proxy, set it to `max_receiving`).
   """
 
   max_body_bytes: int = 8 << 20
@@ -81,14 +90,14 @@ class HttpLimits:
   max_timeout_ms: float = 60_000.0
   retry_after_s: int = 1
   max_active: int = 256
+  max_receiving: int = 1024
+  max_receiving_per_peer: int = 128
 
-
-class _Refusal(Exception):
-  """A response other than 200, with its status and message."""
-
-  def __init__(self, status: int, message: str, retry: bool = False):
-    super().__init__(message)
-    self.status, self.retry = status, retry
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      if not getattr(self, field.name) > 0:
+        raise ValueError(f"HttpLimits.{field.name} must be > 0, got "
+                         f"{getattr(self, field.name)!r}")
 
 
 def create_app(model: Scorer | Callable[[], Scorer], batching: BatchingConfig = BatchingConfig(),
@@ -133,7 +142,8 @@ def create_app(model: Scorer | Callable[[], Scorer], batching: BatchingConfig = 
 
   app = Starlette(routes=_ROUTES, lifespan=lifespan)
   app.state.metrics, app.state.limits = metrics, limits
-  app.state.active = 0  # POST /score requests in the handler now
+  app.state.admission = Admission(limits.max_active, limits.max_receiving,
+                                  limits.max_receiving_per_peer)
   return app
 
 
@@ -187,15 +197,11 @@ async def _score_route(http_request: HttpRequest) -> Response:
   state = http_request.app.state
   limits, metrics = state.limits, state.metrics
   start = time.perf_counter()
-  state.active += 1
   try:
-    if state.active > limits.max_active:
-      raise _Refusal(429, f"{limits.max_active} requests are being served; retry later",
-                     retry=True)
     response = JSONResponse({"scores": await _score(http_request, limits, start)})
-  except _Refusal as refusal:
+  except Refusal as refusal:
     if refusal.status in (429, 499, 503):
-      reason = {429: "overloaded", 499: "client_closed"}.get(
+      reason = refusal.reason or {429: "overloaded", 499: "client_closed"}.get(
           refusal.status, "deadline" if state.batcher else "not_ready")
       metrics.refused.labels(reason).inc()
     headers = {"Retry-After": str(limits.retry_after_s)} if refusal.retry else None
@@ -204,8 +210,6 @@ async def _score_route(http_request: HttpRequest) -> Response:
   except Exception as e:  # a defect of ours: one line in the log, no traceback
     _LOG.error("POST /score failed: %s: %s", type(e).__name__, e)
     response = JSONResponse({"error": f"internal error ({type(e).__name__})"}, status_code=500)
-  finally:
-    state.active -= 1
   metrics.request_seconds.labels("/score", str(response.status_code)).observe(
       time.perf_counter() - start)
   return response
@@ -236,9 +240,9 @@ def _ready(http_request: HttpRequest) -> JSONResponse:
 def _cached_model(http_request: HttpRequest) -> CachedModel:
   model = http_request.app.state.model
   if model is None:
-    raise _Refusal(503, "the model is still compiling; retry later", retry=True)
+    raise Refusal(503, "the model is still compiling; retry later", retry=True)
   if not isinstance(model, CachedModel):
-    raise _Refusal(404, "this server runs without a user-state cache (see --cache-mb)")
+    raise Refusal(404, "this server runs without a user-state cache (see --cache-mb)")
   return model
 
 
@@ -255,11 +259,11 @@ async def _cache(http_request: HttpRequest) -> JSONResponse:
     if http_request.method == "POST":
       content_type = http_request.headers.get("content-type", "").split(";")[0].strip()
       if content_type != bodies.JSON:
-        raise _Refusal(415, f"POST /cache/flush takes Content-Type: {bodies.JSON} (a request a "
+        raise Refusal(415, f"POST /cache/flush takes Content-Type: {bodies.JSON} (a request a "
                             f"browser cannot send cross-site unasked), got {content_type!r}")
       await asyncio.to_thread(model.flush)
     return JSONResponse(model.report())
-  except _Refusal as refusal:
+  except Refusal as refusal:
     return JSONResponse({"error": str(refusal)}, status_code=refusal.status)
 
 
@@ -290,75 +294,47 @@ async def _score(http_request: HttpRequest, limits: HttpLimits, arrived: float) 
   """The request's scores; its deadline counts from `arrived` (`time.perf_counter()`)."""
   batcher: Batcher | None = http_request.app.state.batcher
   if batcher is None:
-    raise _Refusal(503, "the model is still compiling; retry later", retry=True)
+    raise Refusal(503, "the model is still compiling; retry later", retry=True)
   timeout_ms = (_timeout_ms(http_request.headers.get("x-timeout-ms"), limits.max_timeout_ms)
                 or batcher.config.default_timeout_ms)
   content_type = http_request.headers.get("content-type", "").split(";")[0].strip().lower()
   if content_type not in bodies.CONTENT_TYPES:
-    raise _Refusal(415, f"the content type must be one of {list(bodies.CONTENT_TYPES)}, got "
+    raise Refusal(415, f"the content type must be one of {list(bodies.CONTENT_TYPES)}, got "
                         f"{content_type!r}")
+  admission: Admission = http_request.app.state.admission
+  admission.check_working()  # full of received requests: refused before reading the body
+  with admission.receiving_body(http_request.client and http_request.client.host):
+    body = await receive_body(http_request, limits.max_body_bytes, limits.body_timeout_s,
+                              limits.min_body_rate, limits.body_grace_s)
+  with admission.working():
+    return await _decode_and_score(body, content_type, batcher, limits, timeout_ms, arrived)
+
+
+async def _decode_and_score(body: bytes, content_type: str, batcher: Batcher,
+                            limits: HttpLimits, timeout_ms: float, arrived: float) -> list[float]:
   try:
-    request = bodies.decode(content_type, await _read_body(http_request, limits),
-                            batcher.model.config, limits.max_candidates)
+    request = bodies.decode(content_type, body, batcher.model.config, limits.max_candidates)
   except bodies.BodyError as e:
-    raise _Refusal(e.status, str(e)) from None
+    raise Refusal(e.status, str(e)) from None
   # On a CPU-bound server the wait is here, reading and decoding, before the batcher's queue:
   # a request whose deadline passed on the way is refused, never queued.
   left_ms = timeout_ms - 1e3 * (time.perf_counter() - arrived)
   if left_ms <= 0:
-    raise _Refusal(503, f"the request's deadline ({timeout_ms:g} ms) passed while it was read; "
+    raise Refusal(503, f"the request's deadline ({timeout_ms:g} ms) passed while it was read; "
                         "it was not computed", retry=True)
   try:
     scores = await batcher.score(request, left_ms)
   except RequestError as e:
-    raise _Refusal(400, str(e)) from None
+    raise Refusal(400, str(e)) from None
   except Overloaded as e:
-    raise _Refusal(429, str(e), retry=True) from None
+    raise Refusal(429, str(e), retry=True) from None
   except DeadlineExceeded as e:
-    raise _Refusal(503, str(e), retry=True) from None
+    raise Refusal(503, str(e), retry=True) from None
   finite = np.isfinite(scores)
   if not finite.all():
-    raise _Refusal(422, f"{int((~finite).sum())} of the request's {scores.size} scores are not "
+    raise Refusal(422, f"{int((~finite).sum())} of the request's {scores.size} scores are not "
                         "finite: its inputs overflow the model")
   return scores.tolist()
-
-
-async def _read_body(http_request: HttpRequest, limits: HttpLimits) -> bytes:
-  declared = http_request.headers.get("content-length")
-  if declared is not None and (not declared.isdigit() or int(declared) > limits.max_body_bytes):
-    raise _Refusal(413, f"the body may have at most {limits.max_body_bytes} bytes, "
-                        f"Content-Length says {declared}")
-
-  start, size = time.perf_counter(), 0
-
-  async def read() -> bytes:
-    nonlocal size
-    chunks, stream = [], http_request.stream()
-    try:
-      while True:
-        # The next bytes are due when the body would fall below the minimum rate.
-        due = max(limits.body_grace_s, (size + 1) / limits.min_body_rate)
-        try:
-          chunk = await asyncio.wait_for(anext(stream), due - (time.perf_counter() - start))
-        except StopAsyncIteration:
-          return b"".join(chunks)
-        except TimeoutError:
-          took = time.perf_counter() - start
-          raise _Refusal(408, f"the body arrived at {size / took:.0f} bytes/s ({size} bytes in "
-                              f"{took:.1f} s); the minimum is {limits.min_body_rate:.0f}"
-                         ) from None
-        size += len(chunk)
-        if size > limits.max_body_bytes:
-          raise _Refusal(413, f"the body may have at most {limits.max_body_bytes} bytes")
-        chunks.append(chunk)
-    except ClientDisconnect:  # the client's doing, not a server error: no 500, no ERROR line
-      raise _Refusal(499, f"the client closed its connection after {size} bytes of its "
-                          "body") from None
-
-  try:
-    return await asyncio.wait_for(read(), limits.body_timeout_s)
-  except TimeoutError:  # the whole body's limit (the rate's is a `_Refusal` already)
-    raise _Refusal(408, f"the body did not arrive within {limits.body_timeout_s} s") from None
 
 
 def _timeout_ms(header: str | None, most: float) -> float | None:
@@ -369,7 +345,7 @@ def _timeout_ms(header: str | None, most: float) -> float | None:
   except ValueError:
     value = float("nan")
   if not 0 < value <= most:
-    raise _Refusal(400, f"X-Timeout-Ms must be a number of milliseconds in (0, {most:g}], got "
+    raise Refusal(400, f"X-Timeout-Ms must be a number of milliseconds in (0, {most:g}], got "
                         f"{header!r}")
   return value
 
