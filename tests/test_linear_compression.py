@@ -96,6 +96,29 @@ def test_user_with_no_candidates_gets_zero_gradient():
 
 
 @pytest.mark.parametrize("implementation", ["xla", "triton", "mosaic_gpu"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_row_of_a_user_without_candidates_reaches_no_gradient(implementation, bad):
+  """The original (the materialized copy) never reads the row of a user without candidates,
+  so its gradients are finite; the user GEMM's backward multiplied that row by a zero
+  cotangent, and `0 * NaN` made `d_w_user` NaN."""
+  args, index = _problem(6, jnp.bfloat16, num_users=4, empty_users=2)
+  empty = np.setdiff1d(np.arange(4), np.asarray(index.cand_to_user))
+  args = (args[0], args[1], args[2].at[empty].set(bad), args[3])
+
+  def loss(implementation, *args):
+    out = linear_compression(*args, index, implementation=implementation,
+                             interpret=implementation in KERNEL_DTYPES)
+    return out.astype(jnp.float32).sum()
+
+  grads = jax.grad(functools.partial(loss, implementation), argnums=(0, 1, 2, 3))(*args)
+  original = jax.grad(functools.partial(loss, "xla_materialized"), argnums=(0, 1, 2, 3))(*args)
+  for name, grad, want in zip(["w_user", "w_cand", "e_user", "e_cand"], grads, original):
+    assert np.isfinite(np.asarray(want, np.float32)).all(), name
+    assert np.isfinite(np.asarray(grad, np.float32)).all(), name
+  np.testing.assert_array_equal(grads[2][empty], 0)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton", "mosaic_gpu"])
 def test_jit_with_traced_index_and_vmap(implementation):
   dtype = jnp.bfloat16 if implementation == "mosaic_gpu" else jnp.float32
   args, index = _problem(6, dtype)

@@ -51,16 +51,32 @@ def decomposed(w_user, w_cand, e_user, e_cand, cand_to_user, *, precision=None):
   return (cand_res.astype(_F32) + user_res[cand_to_user]).astype(e_cand.dtype)
 
 
-def user_backward(w_user, e_user, cand_to_user, d_out, *, num_users: int):
-  """Cotangents of `w_user` and `e_user`: reduce `d_out` per user, then two GEMMs at batch U."""
-  d_user = sum_per_user(d_out, cand_to_user, num_users)
+def rows_in_use(ids, num_rows: int):
+  """`bool[num_rows]`: the rows some id points at. The others the original never reads."""
+  return jnp.zeros((num_rows,), bool).at[ids].set(True)
+
+
+def residual_backward(w, e, d_res, in_use):
+  """Cotangents of `w` and `e` given that of `res[r] = W @ E[r]`, two GEMMs at the rows' batch.
+
+  A row not `in_use` (a user without candidates) is never read by the original: its
+  cotangent is zero, and its values (NaN, say) reach neither `d_w` nor its own `d_e`,
+  as `0 * NaN` in the GEMMs would carry them.
+  """
+  keep = in_use[:, None, None]
   # float32 operands: full float32 products. 16-bit operands: the default
   # precision (TF32 on recent GPUs) keeps more mantissa than the operands have,
   # at several times the speed of full float32.
-  precision = jax.lax.Precision.HIGHEST if e_user.dtype == _F32 else None
-  d_w_user = jnp.einsum("umn,ukn->mk", d_user, e_user.astype(_F32), precision=precision)
-  d_e_user = jnp.einsum("mk,umn->ukn", w_user.astype(_F32), d_user, precision=precision)
-  return d_w_user.astype(w_user.dtype), d_e_user.astype(e_user.dtype)
+  precision = jax.lax.Precision.HIGHEST if e.dtype == _F32 else None
+  d_w = jnp.einsum("umn,ukn->mk", d_res, jnp.where(keep, e.astype(_F32), 0), precision=precision)
+  d_e = jnp.where(keep, jnp.einsum("mk,umn->ukn", w.astype(_F32), d_res, precision=precision), 0)
+  return d_w.astype(w.dtype), d_e.astype(e.dtype)
+
+
+def user_backward(w_user, e_user, cand_to_user, d_out, *, num_users: int):
+  """Cotangents of `w_user` and `e_user`: reduce `d_out` per user, then two GEMMs at batch U."""
+  d_user = sum_per_user(d_out, cand_to_user, num_users)
+  return residual_backward(w_user, e_user, d_user, rows_in_use(cand_to_user, num_users))
 
 
 def backward(w_user, w_cand, e_user, e_cand, cand_to_user, d_out, *, num_users: int):
