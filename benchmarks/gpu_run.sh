@@ -47,7 +47,10 @@ if has lc; then
   tail -n 13 "$OUT/bench.log"
 fi
 if has gate; then
-  XLA_PYTHON_CLIENT_PREALLOCATE=false IKBO_FAILURE_LOG="$OUT/gate_failures.log" \
+  # Each worker's share of the card is capped: uncapped, 8 workers' autotuners ran it out of
+  # memory (13 tests failed with OOM that pass alone).
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=${GATE_MEM_FRACTION:-0.15} \
+    IKBO_FAILURE_LOG="$OUT/gate_failures.log" \
     timeout "${GATE_TIMEOUT:-420}" python3 -m pytest -p no:cacheprovider -m gpu -rf \
     --tb=line -n "${GATE_WORKERS:-6}" -v --continue-on-collection-errors tests \
     --ignore=tests/test_gpu_sweep.py 2>&1 \

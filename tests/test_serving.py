@@ -145,6 +145,17 @@ def test_the_feature_bound_is_sound_and_what_it_refuses_overflowed(ranker, serve
   assert np.ptp(_alone(ranker, past)) == 0  # what used to answer 200: one score for all
 
 
+@pytest.mark.parametrize("dtype, most", [("bfloat16", 3.4e38), ("float16", 65504.0)])
+def test_the_feature_bound_follows_the_compute_dtype(ranker, dtype, most):
+  """The bound comes from the compute dtype's largest value (NumPy's `finfo` knows no
+  bfloat16: a bfloat16 model, the GPU's, failed to start)."""
+  from ikbo_jax.models.valid_range import max_abs_dense_feature
+  low = Ranker(dataclasses.replace(CONFIG, dtype=dtype), rngs=nnx.Rngs(0))
+  bound = max_abs_dense_feature(low)
+  ratio = np.sqrt(most / np.finfo(np.float32).max)
+  np.testing.assert_allclose(bound, max_abs_dense_feature(ranker) * ratio, rtol=1e-2)
+
+
 def test_no_compilation_after_start_up(served):
   before = len(_COMPILES)
   requests = _requests(30, start=200, mean=6)

@@ -63,7 +63,8 @@ def test_interpret_backward_where_the_softmax_is_one_hot(implementation):
 @pytest.mark.parametrize("case", [
     dataclasses.replace(_PEAKED, mapping=sweep.Mapping(8, 256, 0, False), n_seed=64,
                         seq_len=512, heads=2, head_dim=128, kv_len=(512,) * 8),
-    dataclasses.replace(_PEAKED, peak=0.8, mapping=sweep.Mapping(4, 300, 0, True)),
+    dataclasses.replace(_PEAKED, peak=0.8, mapping=sweep.Mapping(4, 300, 0, True),
+                        kv_len=(128, 100, 77, 1)),
     dataclasses.replace(_ONE_KEY_NO_LSE, mapping=sweep.Mapping(1, 1024, 0, False), n_seed=64,
                         seq_len=2048, head_dim=128, kv_len=(1,)),
     dataclasses.replace(_ONE_KEY_NO_LSE, mapping=sweep.Mapping(37, 513, 0, False), n_seed=3,

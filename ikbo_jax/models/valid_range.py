@@ -19,6 +19,7 @@ fails near 1e19.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 from ikbo_jax.models.ranker import Ranker
@@ -34,7 +35,7 @@ def max_abs_dense_feature(model: Ranker) -> float:
   c = model.config
   tower_in = model.tower.layers[0]
   fan_out = tower_in.kernel[...].shape[1]
-  largest = float(np.finfo(np.dtype(c.dtype)).max)
+  largest = float(jnp.finfo(c.dtype).max)  # NumPy's finfo knows no bfloat16
   room = 0.5 * np.sqrt(largest / (4 * fan_out))
   # The tokens' columns in the compression weights ([M, K]): the user's dense tokens come
   # first; a candidate's follow its item embedding.

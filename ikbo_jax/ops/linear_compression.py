@@ -34,11 +34,16 @@ BACKENDS = (
 IMPLEMENTATIONS = _dispatch.names(BACKENDS)
 
 
-def _triton_forward(w_user, w_cand, e_user, e_cand, cand_to_user, *, interpret):
-  user_res = xla.user_result(w_user, e_user)
+def triton_residual_forward(w_cand, e_cand, res, cand_to_row, *, interpret):
+  """`W_cand @ e_cand[b] + res[cand_to_row[b]]` on the Triton kernel, `res` float32."""
   # 16-byte rows for the (small, L2-resident) weight; the masked K loop ignores the zeros.
   return triton_kernel.fused_candidate_gemm(
-      pad_to_multiple(w_cand, 1, 8), e_cand, user_res, cand_to_user, interpret=interpret)
+      pad_to_multiple(w_cand, 1, 8), e_cand, res, cand_to_row, interpret=interpret)
+
+
+def _triton_forward(w_user, w_cand, e_user, e_cand, cand_to_user, *, interpret):
+  return triton_residual_forward(w_cand, e_cand, xla.user_result(w_user, e_user), cand_to_user,
+                                 interpret=interpret)
 
 
 def _forward(implementation: str, interpret: bool, *args):

@@ -65,9 +65,20 @@ def forward(w_user, w_cand, e_user, e_cand, cand_to_user, *, interpret: bool,
   return out[:, :, :n], e_cand
 
 
-def backward(w_user, w_cand, e_user, e_cand_aligned, cand_to_user, d_out, *, num_users: int,
-             interpret: bool):
-  """Cotangents of the four float operands.
+def residual_forward(w_cand, e_cand, res, cand_to_row, *, interpret: bool):
+  """`W_cand @ e_cand[b] + res[cand_to_row[b]]` for a float32 `res [R, M, N]` computed
+  elsewhere (a group's own GEMM plus its user's); also the aligned `e_cand`."""
+  m, n = w_cand.shape[0], e_cand.shape[2]
+  e_cand = align_embeddings(e_cand)
+  config = FORWARD_CONFIG.for_n(e_cand.shape[2])
+  out = fused_kernel.batched_gemm(
+      align_weight(w_cand, e_cand.shape[1], config), e_cand, align_user_res(res, config),
+      cand_to_row, num_rows=m, config=config, interpret=interpret)
+  return out[:, :, :n], e_cand
+
+
+def candidate_backward(w_cand, e_cand_aligned, d_out, *, interpret: bool):
+  """Cotangents of `w_cand` and `e_cand`.
 
   `dE_cand[b] = W_cand^T @ dOut[b]` reuses the fused forward kernel without the
   user term; `dW_cand = sum_b dOut[b] @ E_cand[b]^T` runs on the split-batch
@@ -82,5 +93,13 @@ def backward(w_user, w_cand, e_user, e_cand_aligned, cand_to_user, d_out, *, num
       align_weight(w_cand.T, d_out_aligned.shape[1], config), d_out_aligned,
       num_rows=k_cand, config=config, interpret=interpret)[:, :, :n]
   d_w_cand_t = weight_grad_kernel.weight_grad(e_cand_aligned, d_out_aligned, interpret=interpret)
+  return d_w_cand_t[:k_cand, :m].T.astype(w_cand.dtype), d_e_cand
+
+
+def backward(w_user, w_cand, e_user, e_cand_aligned, cand_to_user, d_out, *, num_users: int,
+             interpret: bool):
+  """Cotangents of the four float operands: the candidate side on the kernels
+  (`candidate_backward`), the user side at batch U in XLA."""
+  d_w_cand, d_e_cand = candidate_backward(w_cand, e_cand_aligned, d_out, interpret=interpret)
   d_w_user, d_e_user = xla.user_backward(w_user, e_user, cand_to_user, d_out, num_users=num_users)
-  return d_w_user, d_w_cand_t[:k_cand, :m].T.astype(w_cand.dtype), d_e_user, d_e_cand
+  return d_w_user, d_w_cand, d_e_user, d_e_cand

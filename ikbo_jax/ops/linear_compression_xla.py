@@ -46,9 +46,15 @@ def decomposed(w_user, w_cand, e_user, e_cand, cand_to_user, *, precision=None):
   would return it), so this path adds two rounded partials; the fused kernels
   add `user_res` to the float32 accumulator instead.
   """
-  user_res = user_result(w_user, e_user, precision=precision)
+  return residual_decomposed(w_cand, e_cand, user_result(w_user, e_user, precision=precision),
+                             cand_to_user, precision=precision)
+
+
+def residual_decomposed(w_cand, e_cand, res, cand_to_row, *, precision=None):
+  """`W_cand @ e_cand[b] + res[cand_to_row[b]]`, the candidate GEMM rounded before the add
+  (as `decomposed`), for a float32 `res [R, M, N]` computed elsewhere."""
   cand_res = jnp.einsum("mk,bkn->bmn", w_cand, e_cand, precision=precision)
-  return (cand_res.astype(_F32) + user_res[cand_to_user]).astype(e_cand.dtype)
+  return (cand_res.astype(_F32) + res[cand_to_row]).astype(e_cand.dtype)
 
 
 def rows_in_use(ids, num_rows: int):
@@ -86,6 +92,12 @@ def backward(w_user, w_cand, e_user, e_cand, cand_to_user, d_out, *, num_users: 
   (`sum_per_user`, at batch B), then runs its two GEMMs at batch U.
   """
   d_w_user, d_e_user = user_backward(w_user, e_user, cand_to_user, d_out, num_users=num_users)
+  d_w_cand, d_e_cand = candidate_backward(w_cand, e_cand, d_out)
+  return d_w_user, d_w_cand, d_e_user, d_e_cand
+
+
+def candidate_backward(w_cand, e_cand, d_out):
+  """Cotangents of `w_cand` and `e_cand`: two GEMMs at batch B."""
   d_w_cand = jnp.einsum("bmn,bkn->mk", d_out, e_cand, preferred_element_type=_F32)
   d_e_cand = jnp.einsum("mk,bmn->bkn", w_cand, d_out, preferred_element_type=_F32)
-  return d_w_user, d_w_cand.astype(w_cand.dtype), d_e_user, d_e_cand.astype(e_cand.dtype)
+  return d_w_cand.astype(w_cand.dtype), d_e_cand.astype(e_cand.dtype)
