@@ -5,12 +5,15 @@ from typing import TYPE_CHECKING
 from ikbo_jax import _lazy
 
 __version__ = "0.3.0"
-__all__ = ["CandidateIndex", "linear_compression", "self_target_attention", "target_attention"]
+__all__ = ["CandidateIndex", "TwoLevelIndex", "linear_compression", "self_target_attention",
+           "target_attention", "two_level_linear_compression"]
 __getattr__, __dir__ = _lazy.exports(__name__, {
     "CandidateIndex": "ikbo_jax.index",
+    "TwoLevelIndex": "ikbo_jax.two_level_index",
     "linear_compression": "ikbo_jax.ops.linear_compression",
     "self_target_attention": "ikbo_jax.ops.self_target_attention",
     "target_attention": "ikbo_jax.ops.target_attention",
+    "two_level_linear_compression": "ikbo_jax.ops.two_level_linear_compression",
 })
 
 if TYPE_CHECKING:
@@ -18,3 +21,5 @@ if TYPE_CHECKING:
   from ikbo_jax.ops.linear_compression import linear_compression
   from ikbo_jax.ops.self_target_attention import self_target_attention
   from ikbo_jax.ops.target_attention import target_attention
+  from ikbo_jax.ops.two_level_linear_compression import two_level_linear_compression
+  from ikbo_jax.two_level_index import TwoLevelIndex

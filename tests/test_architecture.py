@@ -21,6 +21,7 @@ LAYERS = (
     ("ikbo_jax._padding", "ikbo_jax.platform", "ikbo_jax._cli", "ikbo_jax._lazy"),
     ("ikbo_jax.kernels",),  # arrays and a config in: below the index, so it never sees one
     ("ikbo_jax.index",),
+    ("ikbo_jax.two_level_index",),  # two levels, each a CandidateIndex
     ("ikbo_jax._validation", "ikbo_jax._dispatch"),
     ("ikbo_jax.ops",),
     ("ikbo_jax",),  # the package itself: the public ops (this entry holds no submodule)

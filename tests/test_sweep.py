@@ -65,6 +65,17 @@ def test_draws_cover_the_promised_space():
   assert {16, 48, 64, 96, 128} <= {c.head_dim for c in att}
 
 
+def test_two_level_draws_cover_the_promised_space():
+  cases = [sweep.draw_two_level_linear_compression_case(s) for s in range(300)]
+  maps = [c.mapping for c in cases]
+  assert any(m.num_groups == 1 for m in maps) and any(m.num_groups == m.num_items for m in maps)
+  assert any(m.num_items >= 500 * m.num_groups for m in maps)  # items per group
+  assert any(m.num_groups >= 500 * m.num_users for m in maps)  # groups per user
+  assert any(m.empty_groups for m in maps) and any(m.users_without_groups for m in maps)
+  assert any(m.sorted for m in maps) and {c.dtype for c in cases} == set(sweep.DTYPES)
+  assert {1, 433} <= {c.m for c in cases} and 512 in {c.k_group for c in cases}
+
+
 @pytest.mark.parametrize("op", sweep.OPS)
 @pytest.mark.parametrize("seed", [0])
 def test_cpu_sweep_of_the_xla_implementations(op, seed):

@@ -23,11 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ikbo_jax.index import CandidateIndex
+from ikbo_jax.two_level_index import TwoLevelIndex
 
 DTYPES = ("bfloat16", "float16", "float32")
 # Share of attention cases drawn from tiny histories (S <= 8), tiny n_seed and D in {32, 64}.
 TINY_SHARE = 0.25
-OPS = ("linear_compression", "target_attention", "self_target_attention")
+OPS = ("linear_compression", "target_attention", "self_target_attention",
+       "two_level_linear_compression")
 # Attention cases with a peaked softmax, their peaks, and target cases without an lse cotangent.
 PEAKED_SHARE, PEAKS = 0.3, (0.8, 1.0, 1.2)
 NO_LSE_COTANGENT_SHARE = 0.3
@@ -60,6 +62,39 @@ class LinearCompressionCase:
   k_cand: int
   dtype: str
   op = "linear_compression"
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoLevelMapping:
+  """Items -> groups -> users: `empty_groups` groups without items, `users_without_groups`
+  users without groups; both levels sorted or both shuffled."""
+
+  num_users: int
+  num_groups: int
+  num_items: int
+  empty_groups: int
+  users_without_groups: int
+  sorted: bool
+
+  def index(self, rng: np.random.Generator) -> TwoLevelIndex:
+    group_to_user = Mapping(self.num_users, self.num_groups, self.users_without_groups,
+                            self.sorted).index(rng).cand_to_user
+    item_to_group = Mapping(self.num_groups, self.num_items, self.empty_groups,
+                            self.sorted).index(rng).cand_to_user
+    return TwoLevelIndex.from_mappings(item_to_group, group_to_user, self.num_users)
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoLevelLinearCompressionCase:
+  seed: int
+  mapping: TwoLevelMapping
+  m: int
+  n: int
+  k_user: int
+  k_group: int
+  k_item: int
+  dtype: str
+  op = "two_level_linear_compression"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +151,32 @@ def draw_linear_compression_case(seed: int, max_elements: int = 30_000_000) -> L
   return LinearCompressionCase(seed, mapping, m, n, k_user, k_cand, _dtype(rng))
 
 
+def _two_level_mapping(rng, max_items: int) -> TwoLevelMapping:
+  """Ratios at each level from 1 to 500: one group, a group per item, groups of one item,
+  groups without items, users without groups."""
+  num_users = int(rng.choice((1, 2, 3, 4, 16, 64)))
+  groups = int(np.clip(num_users * float(rng.choice((1, 2, 5, 8, 32, 100, 500))), 1, max_items))
+  groups = 1 if rng.random() < 0.1 else groups
+  num_users = min(num_users, groups)
+  items = int(np.clip(groups * float(rng.choice((1, 1, 2, 4, 16, 64, 500))), 1, max_items))
+  groups = min(groups, items)
+  empty_groups = min(int(rng.integers(0, groups)) if rng.random() < 0.4 else 0, groups - 1)
+  no_groups = min(int(rng.integers(0, num_users)) if rng.random() < 0.4 else 0, num_users - 1)
+  return TwoLevelMapping(num_users, groups, items, empty_groups, no_groups,
+                         bool(rng.random() < 0.3))
+
+
+def draw_two_level_linear_compression_case(
+    seed: int, max_elements: int = 30_000_000) -> TwoLevelLinearCompressionCase:
+  rng = np.random.default_rng((seed, 5))
+  m = _pick(rng, (1, 7, 8, 64, 65, 128, 433), 1, 600)
+  n = _pick(rng, (1, 3, 8, 64, 65, 128, 256), 1, 600)
+  k_user, k_group, k_item = (_pick(rng, (1, 5, 8, 64, 100, 128, 512), 1, 600) for _ in range(3))
+  max_items = max(1, min(2000, max_elements // (n * max(m, k_item, k_group))))
+  return TwoLevelLinearCompressionCase(seed, _two_level_mapping(rng, max_items), m, n, k_user,
+                                       k_group, k_item, _dtype(rng))
+
+
 def _lengths(rng, num_users: int, seq_len: int) -> tuple[int, ...]:
   edges = [0, 1, seq_len, seq_len - 1] + [e for e in (63, 64, 65, 127, 128, 129, 255, 256, 257)
                                           if e < seq_len]
@@ -165,4 +226,6 @@ def draw_case(op: str, seed: int, size: float = 1.0):
       return draw_attention_case(seed, max_logits=int(150_000_000 * size))
     case "self_target_attention":
       return draw_attention_case(seed, self_attention=True, max_logits=int(150_000_000 * size))
+    case "two_level_linear_compression":
+      return draw_two_level_linear_compression_case(seed, max_elements=int(30_000_000 * size))
   raise ValueError(f"op must be one of {OPS}, got {op!r}")

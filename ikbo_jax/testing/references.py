@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ikbo_jax.ops import linear_compression_xla
+from ikbo_jax.ops import two_level_linear_compression as two_level_op
 from ikbo_jax.ops.self_target_attention import xla as self_target_attention_xla
 from ikbo_jax.ops.target_attention import xla as target_attention_xla
 
@@ -64,3 +65,12 @@ def self_target_attention(q_user, q_cand, k, v, cand_to_user, kv_len, *, scale: 
   out_cand, _ = target_attention(q_cand, k, v, cand_to_user, kv_len, scale=scale,
                                  precision=precision)
   return out_user, out_cand
+
+
+
+def two_level_linear_compression(w_user, w_group, w_item, e_user, e_group, e_item, item_to_group,
+                                 item_to_user, *, precision=None):
+  """Both levels copied to the items (cotangents summed in float32), one GEMM, one rounding."""
+  return two_level_op.materialized(w_user, w_group, w_item, e_user, e_group, e_item,
+                                    item_to_group, item_to_user, precision=precision,
+                                    gather=gather_rows)

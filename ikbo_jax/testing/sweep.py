@@ -25,15 +25,20 @@ from ikbo_jax import _dispatch
 from ikbo_jax.ops import linear_compression as lce_op
 from ikbo_jax.ops import self_target_attention as self_target_op
 from ikbo_jax.ops import target_attention as target_op
+from ikbo_jax.ops import two_level_linear_compression as two_level_op
 from ikbo_jax.testing import error_rule, references
 from ikbo_jax.testing.cases import (DTYPES, OPS, PEAKS, TINY_SHARE, AttentionCase,
-                                    LinearCompressionCase, Mapping, draw_attention_case,
-                                    draw_case, draw_linear_compression_case)
+                                    LinearCompressionCase, Mapping,
+                                    TwoLevelLinearCompressionCase, TwoLevelMapping,
+                                    draw_attention_case, draw_case,
+                                    draw_linear_compression_case,
+                                    draw_two_level_linear_compression_case)
 
 __all__ = ["DTYPES", "OPS", "PEAKS", "TINY_SHARE", "AttentionCase",
-           "LinearCompressionCase", "Mapping", "Problem", "Result", "assert_passes",
-           "draw_attention_case", "draw_case", "draw_linear_compression_case", "run_case",
-           "summarize"]
+           "LinearCompressionCase", "Mapping", "Problem", "Result",
+           "TwoLevelLinearCompressionCase", "TwoLevelMapping", "assert_passes",
+           "draw_attention_case", "draw_case", "draw_linear_compression_case",
+           "draw_two_level_linear_compression_case", "run_case", "summarize"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -52,7 +57,7 @@ def __getattr__(name: str):
 class Result:
   """One implementation on one case: every output's comparison and the repeatability."""
 
-  case: LinearCompressionCase | AttentionCase
+  case: LinearCompressionCase | TwoLevelLinearCompressionCase | AttentionCase
   implementation: str
   comparisons: tuple[error_rule.Comparison, ...]
   repeatable: bool  # the forward, and the gradients where the backward promises it
@@ -128,6 +133,31 @@ def _lce_problem(case: LinearCompressionCase, interpret: bool) -> Problem:
                  grad_names=("d_w_user", "d_w_cand", "d_e_user", "d_e_cand"))
 
 
+def _two_level_problem(case: TwoLevelLinearCompressionCase, interpret: bool) -> Problem:
+  keys = jax.random.split(jax.random.key(case.seed), 7)
+  u, g, b = case.mapping.num_users, case.mapping.num_groups, case.mapping.num_items
+  ks = (case.k_user, case.k_group, case.k_item)
+  shapes = [(case.m, k) for k in ks] + [(rows, k, case.n) for rows, k in zip((u, g, b), ks)]
+  scale = 1 / np.sqrt(sum(ks))
+  args = tuple(_normal(key, s, case.dtype, scale if len(s) == 2 else 1.0)
+               for key, s in zip(keys, shapes))
+  cotangent = _normal(keys[6], (b, case.m, case.n), case.dtype)
+  index = case.mapping.index(np.random.default_rng(case.seed))
+
+  def run(impl):
+    return lambda *a: two_level_op.two_level_linear_compression(
+        *a, index, implementation=impl, **_interpreted(impl, interpret, lce_op.BACKENDS))
+
+  def reference(precision):
+    return lambda *a: references.two_level_linear_compression(
+        *a, index.items.cand_to_user, index.item_to_user.cand_to_user, precision=precision)
+
+  return Problem(args=args, cotangents=cotangent, run=run, reference=reference,
+                 backends=lce_op.BACKENDS, facts={}, names=("out",),
+                 grad_names=("d_w_user", "d_w_group", "d_w_item", "d_e_user", "d_e_group",
+                             "d_e_item"))
+
+
 def _peaked(case: AttentionCase, key, index, q, k):
   """`q, k` with each user's key 0 and its candidates' queries moved along one random direction.
 
@@ -195,7 +225,7 @@ def _repeatable_outputs(case, implementation: str, num_outputs: int) -> int:
   whose scatter-add adds with atomics on a GPU) and the self + target kernel's
   user side, which runs cuDNN's backward.
   """
-  forward = 2 if case.op != "linear_compression" else 1
+  forward = 1 if case.op.endswith("linear_compression") else 2
   if implementation == "xla_materialized":
     return forward
   if case.op == "self_target_attention" and implementation == "mosaic_gpu":
@@ -214,7 +244,9 @@ def _reported_only(case, implementation: str) -> tuple[str, ...]:
   """
   if implementation != "xla_materialized" or case.dtype == "float32":
     return ()
-  return ("d_w_user", "d_e_user") if case.op == "linear_compression" else ("dk", "dv")
+  return {"linear_compression": ("d_w_user", "d_e_user"),
+          "two_level_linear_compression": ("d_w_user", "d_e_user", "d_w_group", "d_e_group")
+          }.get(case.op, ("dk", "dv"))
 
 
 # The share of dv's norm below which attention's dq and dk are not judged on their own norm.
@@ -249,7 +281,8 @@ def run_case(case, implementations: tuple[str, ...] | None = None,
   With `interpret`, the named kernel implementations run under the Pallas
   interpreter (CPU tests).
   """
-  build = _lce_problem if case.op == "linear_compression" else _attention_problem
+  build = {"linear_compression": _lce_problem,
+           "two_level_linear_compression": _two_level_problem}.get(case.op, _attention_problem)
   problem = build(case, interpret)
   supported = _dispatch.supported(problem.backends, case.dtype, interpret, **problem.facts)
   chosen = supported if implementations is None else tuple(
