@@ -176,3 +176,27 @@ def test_bad_input_names_the_argument_expected_and_actual():
     two_level_linear_compression(*wrong_k, index)
   with pytest.raises(TypeError, match="index must be a TwoLevelIndex, got CandidateIndex"):
     two_level_linear_compression(*args, index.item_to_user)
+
+
+def test_the_module_matches_copying_both_levels_and_one_dense_map():
+  from flax import nnx
+
+  from ikbo_jax.nn import TwoLevelLinearCompression
+
+  layer = TwoLevelLinearCompression(4, 3, 7, 6, rngs=nnx.Rngs(0))
+  index = TwoLevelIndex.from_mappings([1, 0, 1, 2, 2], group_to_user=[1, 0, 1], num_users=2)
+  _, _, _, e_user, e_group, e_item = _args(index, n=5)
+
+  def copied(w_user, w_group, w_item):
+    e = jnp.concatenate([e_user[index.item_to_user.cand_to_user],
+                         e_group[index.items.cand_to_user], e_item], axis=1)
+    w = jnp.concatenate([w_user, w_group, w_item], axis=1)
+    return jnp.einsum("mk,bkn->bmn", w, e, precision="highest")
+
+  weights = (layer.w_user[...], layer.w_group[...], layer.w_item[...])
+  np.testing.assert_allclose(layer(e_user, e_group, e_item, index), copied(*weights),
+                             rtol=1e-5, atol=1e-5)
+  grads = nnx.grad(lambda m: jnp.sum(jnp.sin(m(e_user, e_group, e_item, index))))(layer)
+  want = jax.grad(lambda *w: jnp.sum(jnp.sin(copied(*w))), argnums=(0, 1, 2))(*weights)
+  for got, w in zip((grads.w_user[...], grads.w_group[...], grads.w_item[...]), want):
+    np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-5)
