@@ -16,6 +16,7 @@
 # "cache_soak" (tools/cache_soak.py for SOAK_MINUTES),
 # "overload" (the serving ladder REPEATS times, default 3, then 3x the sustained rates over HTTP:
 # refusals, resets, p99),
+# "two_level" (the two-level sweep cases, then benchmarks/two_level.py),
 # "rewrite" (original vs rewritten vs hand-written IKBO code), "fuzz" (the rewrite's property test
 # on the host's CPUs), "rewrite_tests" (the rewrite's tests on the GPU),
 # "backward" (the Mosaic GPU attention backward's GPU tests and regression tests, then the
@@ -188,6 +189,15 @@ if has overload; then
     --repeats "${REPEATS:-3}" --client-processes "${CLIENT_PROCESSES:-8}" \
     --overload-seconds "${OVERLOAD_SECONDS:-60}" --out "$OUT/ranking_system_overload_${TAG}.json" \
     2>&1 | grep -v Warning | tee "$OUT/overload.log" | cut -c1-400 | tail -n 12
+fi
+if has two_level; then
+  # Two levels of sharing: the sweep's two-level cases on the kernels, then the benchmark at
+  # B = 2048 over G x U (each point written as it is measured).
+  IKBO_FAILURE_LOG="$OUT/two_level_failures.log" timeout 240 python3 -m pytest -q -s \
+    -p no:cacheprovider -m gpu --tb=line tests/test_gpu_sweep.py -k two_level 2>&1 \
+    | grep -E "FAIL |^FAILED|passed|failed" | cut -c1-400
+  timeout "${TWO_LEVEL_TIMEOUT:-300}" python3 -m benchmarks.two_level \
+    --out "$OUT/two_level_${TAG}.json" 2>&1 | grep -v Warning | cut -c1-400 | tail -n 12
 fi
 if has rewrite; then
   timeout 300 python3 -m benchmarks.rewrite --out "$OUT/rewrite_${TAG}.json" 2>&1 \

@@ -24,6 +24,7 @@ SCRIPTS = {
                         "--repeats", "1", "--cache-mb", "1"],
                        "sustained QPS ratio"),
     "rewrite": ([], "fraction of the hand-written speedup"),
+    "two_level": ([], "vs one level with the group copied"),
 }
 
 
@@ -81,6 +82,10 @@ def test_small_results_are_complete(small_run):
       # A tower's scores multiply user rows by candidate rows: that one copy is inherent.
       expected = "1 materialized" if case in towers else "materialized"
       assert (expected in row["changes"]) == (case in towers), row["changes"]
+  elif name == "two_level":
+    for point in result["points"].values():
+      assert point["rows"]["two_level"]["ms"] > 0 and point["rows"]["floor_own_gemms"]["ms"] > 0
+      assert point["rel_diff_vs_materialized"] < 1e-5 and point["fwd_bwd_ms"]["two_level"] > 0
   elif name == "linear_compression":
     row = result["ladder"]["baseline_materialized"]
     assert row["ms"] > 0 and 0 < row["roofline_fraction"] and row["tbps"] > 0
