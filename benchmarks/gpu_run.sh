@@ -194,7 +194,8 @@ if has two_level; then
   # Two levels of sharing: the sweep's two-level cases on the kernels, then the benchmark at
   # B = 2048 over G x U (each point written as it is measured).
   IKBO_FAILURE_LOG="$OUT/two_level_failures.log" timeout 240 python3 -m pytest -q -s \
-    -p no:cacheprovider -m gpu --tb=line tests/test_gpu_sweep.py -k two_level 2>&1 \
+    -p no:cacheprovider -m gpu --tb=line tests/test_gpu_sweep.py tests/test_two_level.py \
+    tests/test_two_level_attention.py -k two_level 2>&1 \
     | grep -E "FAIL |^FAILED|passed|failed" | cut -c1-400
   timeout "${TWO_LEVEL_TIMEOUT:-300}" python3 -m benchmarks.two_level \
     --out "$OUT/two_level_${TAG}.json" 2>&1 | grep -v Warning | cut -c1-400 | tail -n 12

@@ -13,8 +13,11 @@ At B items, G groups and U users, per (G, U), median CUPTI kernel time of:
   torch where it is installed) and `floor_own_gemms` (the item, group and user GEMMs,
   each timed alone, summed).
 
-Forward and forward + backward (`fwd_bwd`, one cotangent for all). `--small` runs tiny
-shapes on any backend (CI keeps the script working).
+Forward and forward + backward (`fwd_bwd`, one cotangent for all). Then attention over
+the user's history (S_user = 1024) and the group's (S_group = 256), one softmax: two-level
+against one level over per-group histories built by copying each user's history to its
+groups (copy timed, and made beforehand), with each program's allocated memory. `--small`
+runs tiny shapes on any backend (CI keeps the script working).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common
-from ikbo_jax import TwoLevelIndex, linear_compression, two_level_linear_compression
+from ikbo_jax import (TwoLevelIndex, linear_compression, target_attention,
+                      two_level_linear_compression, two_level_target_attention)
 
 WIDTHS = dict(k_user=1178, k_group=512, k_item=866, m=433, n=256)
 SMALL_WIDTHS = dict(k_user=24, k_group=16, k_item=20, m=12, n=8)
@@ -150,6 +154,46 @@ def run_point(b, g, u, widths, dtype, ceilings, iterations):
                                      / jnp.linalg.norm(ref.astype(jnp.float32))))
 
 
+ATTENTION = dict(s_user=1024, s_group=256, t=64, heads=2, head_dim=128)
+SMALL_ATTENTION = dict(s_user=16, s_group=8, t=2, heads=1, head_dim=64)
+
+
+def _memory_mb(fn, *args) -> float:
+  """The compiled program's temporary and output bytes (what it allocates), in MB."""
+  stats = jax.jit(fn).lower(*args).compile().memory_analysis()
+  return (stats.temp_size_in_bytes + stats.output_size_in_bytes) / 1e6 if stats else float("nan")
+
+
+def attention_point(b, g, u, shape, dtype, iterations):
+  """Two-level attention against one level over per-group histories (the user's history and
+  the group's, copied together per group), the copy timed and not."""
+  _, index = problem(b, g, u, dict(SMALL_WIDTHS), dtype)
+  keys = jax.random.split(jax.random.key(3), 5)
+  t, h, d = shape["t"], shape["heads"], shape["head_dim"]
+  q = jax.random.normal(keys[0], (b, t, h, d), dtype)
+  k_user, v_user = (jax.random.normal(k, (u, shape["s_user"], h, d), dtype) for k in keys[1:3])
+  k_group, v_group = (jax.random.normal(k, (g, shape["s_group"], h, d), dtype) for k in keys[3:5])
+  group_to_user = index.groups.cand_to_user
+
+  def per_group(k_user, k_group):
+    return jnp.concatenate([k_user[group_to_user], k_group], axis=1)
+
+  two = lambda *a: two_level_target_attention(*a, index)
+  copied = lambda q, ku, vu, kg, vg: target_attention(q, per_group(ku, kg), per_group(vu, vg),
+                                                      index.items)
+  pre = lambda q, k, v: target_attention(q, k, v, index.items)
+  args = (q, k_user, v_user, k_group, v_group)
+  built = (q, per_group(k_user, k_group), per_group(v_user, v_group))
+  rows = {name: dict(ms=common.median_ms(jax.jit(fn), *a, iterations=iterations)[0],
+                     memory_mb=_memory_mb(fn, *a))
+          for name, fn, a in (("two_level", two, args), ("one_level_per_group", copied, args),
+                              ("one_level_per_group_pre", pre, built))}
+  rows["per_group_histories_mb"] = 2 * built[1].nbytes / 1e6
+  return dict(rows=rows, speedup_vs_copy_untimed=rows["one_level_per_group_pre"]["ms"]
+              / rows["two_level"]["ms"],
+              speedup_vs_copy_timed=rows["one_level_per_group"]["ms"] / rows["two_level"]["ms"])
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--out", required=True)
@@ -169,11 +213,16 @@ def main():
     point = run_point(items, g, u, widths, dtype, ceilings, args.iterations)
     payload["points"][f"G={g},U={u}"] = point
     common.write_json(args.out, payload)  # each result as it comes
+    point["attention"] = attention_point(items, g, u, SMALL_ATTENTION if args.small else ATTENTION,
+                                         dtype, args.iterations)
+    common.write_json(args.out, payload)
     print(f"G={g} U={u}: two_level {point['rows']['two_level']['ms']:.3f} ms, "
           f"x{point['speedup_vs_one_level_group_copied']:.2f} vs one level with the group "
           f"copied (x{point['speedup_vs_one_level_copy_untimed']:.2f} copy untimed), "
           f"{point['ratio_to_own_gemms_floor']:.2f}x its GEMMs' floor; fwd+bwd "
-          f"x{point['fwd_bwd_speedup_vs_one_level_group_copied']:.2f}", flush=True)
+          f"x{point['fwd_bwd_speedup_vs_one_level_group_copied']:.2f}; attention "
+          f"x{point['attention']['speedup_vs_copy_untimed']:.2f} vs per-group histories "
+          f"(x{point['attention']['speedup_vs_copy_timed']:.2f} with the copy)", flush=True)
 
 
 if __name__ == "__main__":

@@ -86,6 +86,8 @@ def test_small_results_are_complete(small_run):
     for point in result["points"].values():
       assert point["rows"]["two_level"]["ms"] > 0 and point["rows"]["floor_own_gemms"]["ms"] > 0
       assert point["rel_diff_vs_materialized"] < 1e-5 and point["fwd_bwd_ms"]["two_level"] > 0
+      assert all(point["attention"]["rows"][name]["ms"] > 0 for name in (
+          "two_level", "one_level_per_group", "one_level_per_group_pre"))
   elif name == "linear_compression":
     row = result["ladder"]["baseline_materialized"]
     assert row["ms"] > 0 and 0 < row["roofline_fraction"] and row["tbps"] > 0

@@ -12,7 +12,7 @@ import pytest
 from ikbo_jax.testing import sweep
 
 CASES_PER_OP = {"linear_compression": 12, "target_attention": 12, "self_target_attention": 8,
-                "two_level_linear_compression": 8}
+                "two_level_linear_compression": 8, "two_level_target_attention": 8}
 
 
 @pytest.mark.gpu

@@ -29,7 +29,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 # Share of attention cases drawn from tiny histories (S <= 8), tiny n_seed and D in {32, 64}.
 TINY_SHARE = 0.25
 OPS = ("linear_compression", "target_attention", "self_target_attention",
-       "two_level_linear_compression")
+       "two_level_linear_compression", "two_level_target_attention")
 # Attention cases with a peaked softmax, their peaks, and target cases without an lse cotangent.
 PEAKED_SHARE, PEAKS = 0.3, (0.8, 1.0, 1.2)
 NO_LSE_COTANGENT_SHARE = 0.3
@@ -95,6 +95,23 @@ class TwoLevelLinearCompressionCase:
   k_item: int
   dtype: str
   op = "two_level_linear_compression"
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoLevelAttentionCase:
+  """Items attending to their user's and their group's histories, one softmax over both."""
+
+  seed: int
+  mapping: TwoLevelMapping
+  n_seed: int
+  seq_len_user: int
+  seq_len_group: int
+  heads: int
+  head_dim: int
+  kv_len_user: tuple[int, ...]
+  kv_len_group: tuple[int, ...]
+  dtype: str
+  op = "two_level_target_attention"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +234,20 @@ def draw_attention_case(seed: int, self_attention: bool = False,
                        lse_cotangent)
 
 
+def draw_two_level_attention_case(seed: int,
+                                  max_logits: int = 150_000_000) -> TwoLevelAttentionCase:
+  rng = np.random.default_rng((seed, 6))
+  n_seed = int(rng.choice((1, 2, 7, 32, 64)))
+  seq_user = _pick(rng, (1, 2, 64, 129, 1024, 2000), 1, 2000)
+  seq_group = _pick(rng, (1, 2, 16, 64, 256), 1, 512)
+  heads, head_dim = int(rng.choice((1, 2, 4))), int(rng.choice((64, 128)))
+  max_items = max(1, min(600, max_logits // (n_seed * (seq_user + seq_group) * heads)))
+  mapping = _two_level_mapping(rng, max_items)
+  return TwoLevelAttentionCase(seed, mapping, n_seed, seq_user, seq_group, heads, head_dim,
+                               _lengths(rng, mapping.num_users, seq_user),
+                               _lengths(rng, mapping.num_groups, seq_group), _dtype(rng))
+
+
 def draw_case(op: str, seed: int, size: float = 1.0):
   """One case of `op`; `size` scales the budget on its largest tensors (CPU tests use less)."""
   match op:
@@ -228,4 +259,6 @@ def draw_case(op: str, seed: int, size: float = 1.0):
       return draw_attention_case(seed, self_attention=True, max_logits=int(150_000_000 * size))
     case "two_level_linear_compression":
       return draw_two_level_linear_compression_case(seed, max_elements=int(30_000_000 * size))
+    case "two_level_target_attention":
+      return draw_two_level_attention_case(seed, max_logits=int(150_000_000 * size))
   raise ValueError(f"op must be one of {OPS}, got {op!r}")

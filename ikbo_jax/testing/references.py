@@ -74,3 +74,25 @@ def two_level_linear_compression(w_user, w_group, w_item, e_user, e_group, e_ite
   return two_level_op.materialized(w_user, w_group, w_item, e_user, e_group, e_item,
                                     item_to_group, item_to_user, precision=precision,
                                     gather=gather_rows)
+
+
+def two_level_target_attention(q, k_user, v_user, k_group, v_group, item_to_user, item_to_group,
+                               kv_len_user, kv_len_group, *, scale: float, precision=None):
+  """`(out, lse)`: each item's queries over its user's and its group's copied keys, one softmax.
+
+  The two regions' valid keys are packed into one prefix per item (the user's, then the
+  group's), so the one-level `attention` with the summed length is the definition.
+  """
+  s_user = k_user.shape[1]
+  len_user, len_group = kv_len_user[item_to_user], kv_len_group[item_to_group]
+  pos = jnp.arange(s_user + k_group.shape[1])[None, :]
+  source = jnp.minimum(jnp.where(pos < len_user[:, None], pos, s_user + pos - len_user[:, None]),
+                       pos.shape[1] - 1)
+
+  def packed(user_rows, group_rows):
+    both = jnp.concatenate([gather_rows(user_rows, item_to_user),
+                            gather_rows(group_rows, item_to_group)], axis=1)
+    return jnp.take_along_axis(both, source[:, :, None, None], axis=1)
+
+  return target_attention_xla.attention(q, packed(k_user, k_group), packed(v_user, v_group),
+                                        len_user + len_group, scale=scale, precision=precision)
