@@ -104,3 +104,31 @@ def test_draws_cover_the_promised_space():
   assert {0, 1} <= {n for c in cases for n in c.kv_len_group}
   assert min(c.seq_len_user for c in cases) == 1 and max(c.seq_len_user for c in cases) >= 1024
   assert any(c.mapping.empty_groups for c in cases) and {64, 128} == {c.head_dim for c in cases}
+
+
+def test_the_module_equals_multi_head_attention_over_both_histories_copied():
+  from flax import nnx
+
+  from ikbo_jax.nn import TwoLevelTargetAttention
+
+  attn = TwoLevelTargetAttention(num_heads=2, history_features=12, item_features=10,
+                                 qkv_features=32, rngs=nnx.Rngs(0))
+  index = TwoLevelIndex.from_mappings([0, 1, 1, 2], group_to_user=[1, 0, 1], num_users=2)
+  ks = jax.random.split(jax.random.key(1), 3)
+  user_seq = jax.random.normal(ks[0], (2, 7, 12))
+  group_seq = jax.random.normal(ks[1], (3, 4, 12))
+  tokens = jax.random.normal(ks[2], (4, 3, 10))
+  kv_user, kv_group = jnp.array([7, 2]), jnp.array([4, 0, 1])
+  out = attn(user_seq, group_seq, tokens, index, kv_len_user=kv_user, kv_len_group=kv_group)
+
+  mha = nnx.MultiHeadAttention(num_heads=2, in_features=10, qkv_features=32, out_features=10,
+                               in_kv_features=12, decode=False, rngs=nnx.Rngs(0))
+  for name in ("query", "key", "value", "out"):
+    getattr(mha, name).kernel[...] = getattr(attn, name).kernel[...]
+    getattr(mha, name).bias[...] = getattr(attn, name).bias[...]
+  users, groups = index.item_to_user.cand_to_user, index.items.cand_to_user
+  history = jnp.concatenate([user_seq[users], group_seq[groups]], axis=1)
+  valid = jnp.concatenate([jnp.arange(7) < kv_user[users][:, None],
+                           jnp.arange(4) < kv_group[groups][:, None]], axis=1)
+  want = mha(tokens, history, mask=valid[:, None, None, :])
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)

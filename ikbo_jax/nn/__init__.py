@@ -3,7 +3,8 @@
 from ikbo_jax.nn.linear_compression import LinearCompression
 from ikbo_jax.nn.target_attention import TargetAttention
 from ikbo_jax.nn.two_level_linear_compression import TwoLevelLinearCompression
+from ikbo_jax.nn.two_level_target_attention import TwoLevelTargetAttention
 from ikbo_jax.nn.user_sequence_block import UserSequenceBlock
 
 __all__ = ["LinearCompression", "TargetAttention", "TwoLevelLinearCompression",
-           "UserSequenceBlock"]
+           "TwoLevelTargetAttention", "UserSequenceBlock"]
