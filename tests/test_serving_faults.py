@@ -236,6 +236,33 @@ def test_shutdown_answers_what_is_in_flight_then_exits():
     np.testing.assert_allclose(response.json()["scores"], request.cand_items / 1000)
   assert not served_at.thread.is_alive() and took < 5
 
+def test_a_request_whose_deadline_the_queue_would_pass_gets_503_before_its_body_is_read():
+  """One batch at a time of 0.15 s each: once the queue holds more than its deadline's worth
+  of work, a request is refused at once (503, naming the expected wait), not read, queued
+  and timed out; the ones accepted are all answered."""
+  model = SlowScorer(seconds=0.15)
+  batching = BatchingConfig(max_batch_requests=1, max_in_flight=1)
+  requests = some_requests(12, start=5000)
+
+  async def offer(url):
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+      assert (await client.post("/score", json=json_body(requests[0]))).status_code == 200
+      started = time.perf_counter()
+      responses = await asyncio.gather(*(
+          client.post("/score", json=json_body(r), headers={"X-Timeout-Ms": "400"})
+          for r in requests[1:]))
+      return responses, time.perf_counter() - started
+
+  with loopback.serving(create_app(model, batching)) as served_at:
+    responses, took = asyncio.run(offer(served_at.url))
+  statuses = [r.status_code for r in responses]
+  shed = [r for r in responses if "expected wait" in r.text]
+  assert statuses.count(200) >= 2 and shed and set(statuses) <= {200, 503}, statuses
+  assert all(r.status_code == 503 and "it was not read" in r.json()["error"] for r in shed)
+  assert len(model.seen) == 1 + statuses.count(200)  # nothing refused was computed
+  assert took < 2.5
+
+
 def test_requests_past_the_active_bound_get_429_before_their_body_is_read():
   model = SlowScorer(seconds=0.2)
   limits = HttpLimits(max_active=2)

@@ -131,6 +131,7 @@ class Batcher:
     self._free_slots = asyncio.Semaphore(config.max_in_flight)
     self._in_flight: set[asyncio.Task] = set()
     self._running = 0  # batches with the model (a task still answering its callers is not)
+    self._seconds_per_candidate = 0.0  # model time, a moving average over recent batches
 
   async def __aenter__(self) -> Batcher:
     self._task = asyncio.create_task(self._run())
@@ -151,6 +152,14 @@ class Batcher:
   @property
   def queued_requests(self) -> int:
     return len(self._queue)
+
+  @property
+  def expected_wait_ms(self) -> float:
+    """How long a request arriving now would likely wait for the model: the queued
+    candidates at the recent batches' model time per candidate, over the batches that run
+    at once (0 before the first batch)."""
+    return (1e3 * self.queued_candidates * self._seconds_per_candidate
+            / self.config.max_in_flight)
 
   async def score(self, request: Request, timeout_ms: float | None = None) -> np.ndarray:
     """The request's click probabilities in its candidate order.
@@ -274,8 +283,12 @@ class Batcher:
     try:
       start = loop.time()
       scores = await loop.run_in_executor(self._threads, self.model, requests)
+      seconds = loop.time() - start
+      per_candidate = seconds / max(1, sum(r.num_candidates for r in requests))
+      self._seconds_per_candidate = (per_candidate if not self.batches_run else
+                                     0.8 * self._seconds_per_candidate + 0.2 * per_candidate)
       if self._on_batch is not None:
-        self._on_batch(requests, self.model.bucket_for(requests), loop.time() - start)
+        self._on_batch(requests, self.model.bucket_for(requests), seconds)
     except Exception as e:  # a failure of the batch reaches each of its callers
       for p in batch:
         if not p.future.done():

@@ -13,7 +13,8 @@
     -> 429 + Retry-After       the queue is at its bound: refused before it was queued; or
                                this client is sending too many bodies at once
     -> 503 + Retry-After       its deadline passed while it was read or queued (never
-                               computed), the server is still compiling, or receiving
+                               computed), or the queue's expected wait is past it (not
+                               read), the server is still compiling, or receiving
                                `HttpLimits.max_receiving` bodies
     (499, nginx's "client closed request", in the metrics only: the client left before its
     body arrived; nothing is sent, and it is counted apart from the server's errors)
@@ -301,6 +302,13 @@ async def _score(http_request: HttpRequest, limits: HttpLimits, arrived: float) 
   if content_type not in bodies.CONTENT_TYPES:
     raise Refusal(415, f"the content type must be one of {list(bodies.CONTENT_TYPES)}, got "
                         f"{content_type!r}")
+  # Under overload the queue's wait alone can pass the deadline: such a request would only
+  # be read, decoded and queued to time out, so it is refused before its body is read.
+  expected_ms = batcher.expected_wait_ms
+  if expected_ms > timeout_ms:
+    raise Refusal(503, f"the queue's expected wait ({expected_ms:.0f} ms) is past the "
+                       f"request's deadline ({timeout_ms:g} ms); it was not read", retry=True,
+                  reason="deadline")
   admission: Admission = http_request.app.state.admission
   admission.check_working()  # full of received requests: refused before reading the body
   with admission.receiving_body(http_request.client and http_request.client.host):
