@@ -204,7 +204,7 @@ def main():
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
   widths = SMALL_WIDTHS if args.small else WIDTHS
   items = 64 if args.small else 2048
-  points = ([(8, 2), (16, 4)] if args.small else
+  points = ([(8, 2)] if args.small else
             [(g, u) for g in (32, 128, 512) for u in (4, 16, 64)])
   ceilings = common.measure_ceilings()
   payload = dict(**common.metadata(), dtype=jnp.dtype(dtype).name, ceilings=ceilings,

@@ -76,7 +76,7 @@ def _vjp(implementation, index, args, cotangent):
   return out, pullback(cotangent)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(_structures())
 def test_any_index_structure_matches_the_materialized_op_forward_and_backward(structure):
   index = TwoLevelIndex.from_mappings(*structure[:2], num_users=structure[2])
