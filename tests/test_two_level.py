@@ -199,3 +199,29 @@ def test_the_module_matches_copying_both_levels_and_one_dense_map():
   want = jax.grad(lambda *w: jnp.sum(jnp.sin(copied(*w))), argnums=(0, 1, 2))(*weights)
   for got, w in zip((grads.w_user[...], grads.w_group[...], grads.w_item[...]), want):
     np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-5)
+
+
+def test_mosaic_gpu_forward_and_backward_lower_for_the_h200_at_the_benchmark_widths(monkeypatch):
+  """Real CUDA lowering of the two-level op at the benchmark's widths (G = 128, U = 16),
+  without a GPU: the kernels' configurations for K_item = 866 and the padded group rows."""
+  from jax.sharding import AbstractDevice, AbstractMesh
+
+  from ikbo_jax import platform
+  monkeypatch.setattr(platform, "default_platform", lambda: "gpu")
+  monkeypatch.setattr(platform, "is_hopper", lambda: True)
+  b, g, u, m, n, ks = 2048, 128, 16, 433, 256, (1178, 512, 866)
+  specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in (
+      *[(m, k) for k in ks], (u, ks[0], n), (g, ks[1], n), (b, ks[2], n))]
+  index = TwoLevelIndex.from_mappings(np.arange(b) % g, np.arange(g) % u, num_users=u)
+  op = lambda *a: two_level_linear_compression(*a, index, implementation="mosaic_gpu")
+  fwd_bwd = lambda d, *a: jax.vjp(op, *a)[1](d)
+  d_out = jax.ShapeDtypeStruct((b, m, n), jnp.bfloat16)
+  h200 = AbstractMesh((), (), abstract_device=AbstractDevice(
+      device_kind="NVIDIA H200", platform="cuda", num_cores=132))
+  with jax.sharding.use_abstract_mesh(h200):
+    text = jax.jit(op).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    bwd_text = jax.jit(fwd_bwd).trace(d_out, *specs).lower(lowering_platforms=("cuda",)).as_text()
+  assert "ikbo_linear_compression_mosaic_gpu" in text
+  assert "ikbo_linear_compression_weight_grad_mosaic_gpu" in bwd_text
+  # The group rows are computed at the kernel's padded M, never at M and copied.
+  assert "128x448x256xf32" in text and "128x433x256xf32" not in text

@@ -65,6 +65,12 @@ def forward(w_user, w_cand, e_user, e_cand, cand_to_user, *, interpret: bool,
   return out[:, :, :n], e_cand
 
 
+def residual_rows(m: int, n: int) -> int:
+  """The rows `residual_forward` reads `res` at (M rounded up to whole CTA tiles): a
+  residual computed with that many rows (zero weight rows) is read without a padded copy."""
+  return round_up(m, FORWARD_CONFIG.for_n(round_up(n, _MINOR_ALIGN)).cta_tile_m)
+
+
 def residual_forward(w_cand, e_cand, res, cand_to_row, *, interpret: bool):
   """`W_cand @ e_cand[b] + res[cand_to_row[b]]` for a float32 `res [R, M, N]` computed
   elsewhere (a group's own GEMM plus its user's); also the aligned `e_cand`."""

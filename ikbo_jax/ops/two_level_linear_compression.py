@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from ikbo_jax import _dispatch
 from ikbo_jax import _validation as v
+from ikbo_jax._padding import pad_to
 from ikbo_jax.ops import linear_compression_mosaic as mosaic
 from ikbo_jax.ops import linear_compression_xla as xla
 from ikbo_jax.ops.linear_compression import BACKENDS, Implementation, triton_residual_forward
@@ -76,7 +77,13 @@ def _two_level(implementation, interpret, w_user, w_group, w_item, e_user, e_gro
 
 def _two_level_fwd(implementation, interpret, w_user, w_group, w_item, e_user, e_group, e_item,
                    item_to_group, group_to_user, item_to_user):
-  group_res = group_result(w_user, w_group, e_user, e_group, group_to_user)
+  rows = w_item.shape[0]
+  if implementation == "mosaic_gpu":
+    # The kernel reads the group rows in whole CTA tiles: computed with zero weight rows up
+    # to those, the float32 [G, M, N] result needs no padded copy.
+    rows = mosaic.residual_rows(rows, e_item.shape[2])
+  group_res = group_result(pad_to(w_user, 0, rows), pad_to(w_group, 0, rows), e_user, e_group,
+                           group_to_user)
   out, e_item_kept = _item_forward(implementation, interpret, w_item, e_item, group_res,
                                    item_to_group)
   # The Mosaic GPU backward reuses the aligned copy of e_item the forward made.
