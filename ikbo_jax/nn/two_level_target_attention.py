@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import jax
-from flax import nnx
-from flax.nnx.nn import initializers
 
-from ikbo_jax.nn._projections import default_kernel_init, head_projections
-from ikbo_jax.ops.target_attention import Implementation
+from ikbo_jax.nn.target_attention import TargetAttention
 from ikbo_jax.ops.two_level_target_attention import two_level_target_attention
 from ikbo_jax.two_level_index import TwoLevelIndex
 
 
-class TwoLevelTargetAttention(nnx.Module):
+class TwoLevelTargetAttention(TargetAttention):
   """Multi-head target attention over two histories, each projected once at its own batch.
 
   The key and value projections run at batch U on each user's behaviour sequence and at
@@ -28,10 +25,9 @@ class TwoLevelTargetAttention(nnx.Module):
     item_features: feature size of the item tokens (queries; default `history_features`).
     qkv_features: total query/key/value size over all heads (default `history_features`).
     out_features: output feature size (default `item_features`).
-    dtype, param_dtype, kernel_init, bias_init, use_bias: as for `TargetAttention`.
-    implementation: passed to `ikbo_jax.two_level_target_attention`.
-    interpret: run a kernel implementation under the Pallas interpreter.
-    rngs: random number generators.
+    **kwargs: `TargetAttention`'s keywords (`dtype`, `param_dtype`, `kernel_init`,
+      `bias_init`, `use_bias`, `implementation` (here passed to
+      `ikbo_jax.two_level_target_attention`), `interpret`, `rngs`).
 
   Example:
 
@@ -47,24 +43,10 @@ class TwoLevelTargetAttention(nnx.Module):
   """
 
   def __init__(self, num_heads: int, history_features: int, item_features: int | None = None,
-               qkv_features: int | None = None, out_features: int | None = None, *,
-               dtype=None, param_dtype=jax.numpy.float32,
-               kernel_init: nnx.Initializer = default_kernel_init,
-               bias_init: nnx.Initializer = initializers.zeros_init(), use_bias: bool = True,
-               implementation: Implementation | None = None, interpret: bool = False,
-               rngs: nnx.Rngs):
-    item_features = history_features if item_features is None else item_features
-    qkv_features = history_features if qkv_features is None else qkv_features
-    self.head_dim, to_heads, from_heads = head_projections(
-        num_heads, qkv_features, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
-        bias_init=bias_init, use_bias=use_bias, rngs=rngs)
-    self.num_heads = num_heads
-    self.out_features = item_features if out_features is None else out_features
-    self.implementation, self.interpret = implementation, interpret
-    self.query = to_heads(item_features)
-    self.key = to_heads(history_features)
-    self.value = to_heads(history_features)
-    self.out = from_heads(self.out_features)
+               qkv_features: int | None = None, out_features: int | None = None, **kwargs):
+    # `TargetAttention`'s projections: its user side projects both histories.
+    super().__init__(num_heads, history_features, item_features, qkv_features, out_features,
+                     **kwargs)
 
   def __call__(self, user_seq: jax.Array, group_seq: jax.Array, item_tokens: jax.Array,
                index: TwoLevelIndex, *, kv_len_user: jax.Array | None = None,

@@ -47,21 +47,18 @@ def forward(w_user, w_cand, e_user, e_cand, cand_to_user, *, interpret: bool,
   """
   if single_launch is None:
     single_launch = not interpret
+  if not single_launch:
+    return residual_forward(w_cand, e_cand, xla.user_result(w_user, e_user), cand_to_user,
+                            interpret=interpret)
+  if interpret:
+    raise ValueError("single_launch=True cannot run under the interpreter")
   m, n = w_cand.shape[0], e_cand.shape[2]
   e_cand = align_embeddings(e_cand)
   config = FORWARD_CONFIG.for_n(e_cand.shape[2])
-  w_cand = align_weight(w_cand, e_cand.shape[1], config)
-  if single_launch:
-    if interpret:
-      raise ValueError("single_launch=True cannot run under the interpreter")
-    e_user = align_embeddings(e_user)
-    out = fused_kernel.single_launch_forward(
-        align_weight(w_user, e_user.shape[1], config), w_cand, e_user, e_cand, cand_to_user,
-        num_rows=m, config=config)
-  else:
-    user_res = align_user_res(xla.user_result(w_user, e_user), config)
-    out = fused_kernel.batched_gemm(w_cand, e_cand, user_res, cand_to_user, num_rows=m,
-                                    config=config, interpret=interpret)
+  e_user = align_embeddings(e_user)
+  out = fused_kernel.single_launch_forward(
+      align_weight(w_user, e_user.shape[1], config), align_weight(w_cand, e_cand.shape[1], config),
+      e_user, e_cand, cand_to_user, num_rows=m, config=config)
   return out[:, :, :n], e_cand
 
 
