@@ -12,15 +12,11 @@ code before a change in the same run).
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import socket
-import statistics
 import sys
 import time
-
-import httpx
 
 import served_checkout
 
@@ -40,34 +36,17 @@ def main() -> None:
 
   port = free_port()
   server = served_checkout.start(args.src, port)
-  url = f"http://127.0.0.1:{port}"
   try:
-    with httpx.Client(base_url=url, timeout=10) as client:
-      idle = [socket.create_connection(("127.0.0.1", port), timeout=10)
-              for _ in range(args.idle)]
-      time.sleep(1.0)  # the server has accepted them
-      body = bodies.encode(ClickGenerator(RankerConfig(), seed=0).request(0))
-      scores, health, health_ms = collections.Counter(), collections.Counter(), []
-      for _ in range(args.requests):
-        try:
-          scores[client.post("/score", content=body,
-                             headers={"content-type": bodies.JSON}).status_code] += 1
-        except httpx.TransportError as e:
-          scores[type(e).__name__] += 1
-        start = time.perf_counter()
-        try:
-          health[client.get("/health/live").status_code] += 1
-        except httpx.TransportError as e:
-          health[type(e).__name__] += 1
-        health_ms.append(1e3 * (time.perf_counter() - start))
-      for conn in idle:
-        conn.close()
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(args.idle)]
+    time.sleep(1.0)  # the server has accepted them
+    body = bodies.encode(ClickGenerator(RankerConfig(), seed=0).request(0))
+    probed = served_checkout.score_and_probe(port, body, bodies.JSON, args.requests)
+    for conn in idle:
+      conn.close()
   finally:
     server.terminate()
     server.wait(timeout=60)
-  result = dict(idle_connections=args.idle, score_statuses=dict(scores),
-                health_statuses=dict(health), health_ms_p50=statistics.median(health_ms),
-                health_ms_max=max(health_ms))
+  result = dict(idle_connections=args.idle, **probed)
   print(json.dumps(result))
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)

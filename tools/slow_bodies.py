@@ -18,12 +18,9 @@ import asyncio
 import collections
 import json
 import os
-import statistics
 import sys
 import threading
 import time
-
-import httpx
 
 import served_checkout
 
@@ -65,27 +62,6 @@ def _attack(args, port: int, stop: threading.Event, seen: collections.Counter) -
   asyncio.run(main())
 
 
-def _real_requests(url: str, body: bytes, count: int, content_type: str):
-  scores, health, health_ms = collections.Counter(), collections.Counter(), []
-  with httpx.Client(base_url=url, timeout=10,
-                    transport=httpx.HTTPTransport(local_address="127.0.0.2")) as client, \
-       httpx.Client(base_url=url, timeout=10,
-                    transport=httpx.HTTPTransport(local_address="127.0.0.3")) as prober:
-    for _ in range(count):
-      try:
-        scores[client.post("/score", content=body,
-                           headers={"content-type": content_type}).status_code] += 1
-      except httpx.TransportError as e:
-        scores[type(e).__name__] += 1
-      start = time.perf_counter()
-      try:
-        health[prober.get("/health/live").status_code] += 1
-      except httpx.TransportError as e:
-        health[type(e).__name__] += 1
-      health_ms.append(1e3 * (time.perf_counter() - start))
-  return scores, health, health_ms
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--tricklers", type=int, default=300)
@@ -110,8 +86,9 @@ def main() -> None:
     time.sleep(3.0)  # every trickler connected, the first ones cut and back
     body = bodies.encode(ClickGenerator(RankerConfig(), seed=0).request(0))
     start = time.perf_counter()
-    scores, health, health_ms = _real_requests(f"http://127.0.0.1:{port}", body,
-                                               args.requests, bodies.JSON)
+    probed = served_checkout.score_and_probe(port, body, bodies.JSON, args.requests,
+                                             client_address="127.0.0.2",
+                                             prober_address="127.0.0.3")
     took = time.perf_counter() - start
   finally:
     stop.set()
@@ -119,9 +96,7 @@ def main() -> None:
     server.terminate()
     server.wait(timeout=60)
   result = dict(tricklers=args.tricklers, byte_every_s=args.byte_every,
-                reconnect_after_s=args.reconnect_after, trickler_answers=dict(seen),
-                score_statuses=dict(scores), health_statuses=dict(health),
-                health_ms_p50=statistics.median(health_ms), health_ms_max=max(health_ms),
+                reconnect_after_s=args.reconnect_after, trickler_answers=dict(seen), **probed,
                 seconds=took)
   print(json.dumps(result))
   with open(args.out, "w") as f:
