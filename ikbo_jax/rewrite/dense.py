@@ -19,6 +19,7 @@ from jax.extend.core import primitives as P
 from ikbo_jax import _dispatch
 from ikbo_jax.index import CandidateIndex
 from ikbo_jax.ops.linear_compression import linear_compression
+from ikbo_jax.rewrite import read_rows
 from ikbo_jax.rewrite.report import FORWARD_MODE, Decline
 from ikbo_jax.rewrite.rules import parts_sizes
 from ikbo_jax.rewrite.values import Broadcast, Concat, Plain, materialize
@@ -35,11 +36,13 @@ def dot_general(rw, eqn, operands):
     return block_product(rw, eqn, lhs, rhs)
   if isinstance(lhs, Concat) or isinstance(rhs, Concat):
     return split_dense(rw, eqn, lhs, rhs)
-  bind = lambda a, b: eqn.primitive.bind(a, b, **eqn.params)
+  bind = lambda a, b, lead: read_rows.bind(
+      eqn, lambda x, y: eqn.primitive.bind(x, y, **eqn.params), [a, b],
+      [v.axis if isinstance(v, Broadcast) else None for v in (lhs, rhs)], lead.rows)
   if isinstance(lhs, Broadcast) and isinstance(rhs, Broadcast):
     if (lhs.ids is rhs.ids and lhs.axis in lb and rhs.axis in rb
         and lb.index(lhs.axis) == rb.index(rhs.axis)):
-      out = bind(lhs.user, rhs.user)
+      out = bind(lhs.user, rhs.user, lhs)
       rw.moved(eqn, out, lhs)
       return [lhs.like(out, lb.index(lhs.axis))]
     raise Decline("its operands are broadcasts by different indices or along different axes")
@@ -47,7 +50,7 @@ def dot_general(rw, eqn, operands):
     if lhs.axis in lc or lhs.axis in lb:
       raise Decline("the candidate axis is contracted or batched against a candidate value")
     axis = len(lb) + _free_dims(lhs.user.ndim, lc, lb).index(lhs.axis)
-    out = bind(lhs.user, rhs.value)
+    out = bind(lhs.user, rhs.value, lhs)
     rw.moved(eqn, out, lhs)
     return [lhs.like(out, axis)]
   if isinstance(rhs, Broadcast) and isinstance(lhs, Plain):
@@ -55,7 +58,7 @@ def dot_general(rw, eqn, operands):
       raise Decline("the candidate axis is contracted or batched against a candidate value")
     axis = (len(lb) + len(_free_dims(np.ndim(lhs.value), lc, lb))
             + _free_dims(rhs.user.ndim, rc, rb).index(rhs.axis))
-    out = bind(lhs.value, rhs.user)
+    out = bind(lhs.value, rhs.user, rhs)
     rw.moved(eqn, out, rhs)
     return [rhs.like(out, axis)]
   return None
@@ -101,7 +104,9 @@ def split_dense(rw, eqn, lhs, rhs):
     rw.report.add("linear_compression", eqn)
     return [Plain(out.astype(out_aval.dtype), True)]
   bind = lambda s, w: eqn.primitive.bind(*((s, w) if stack_is_lhs else (w, s)), **eqn.params)
-  user_part = bind(e_user, w_user)  # at U: its rows are users
+  lead = stack.parts[user_idx[0]]
+  user_part = read_rows.bind(eqn, bind, [e_user, w_user], [lead.axis, None],  # at U
+                             lead.rows)
   # Where the stack's rows land in the product: first when it is the left operand, else
   # after the weight's free axes.
   axis = 0 if stack_is_lhs else np.ndim(weight.value) - len(w_contract)
@@ -138,7 +143,7 @@ def block_product(rw, eqn, lhs: Concat, rhs: Concat):
       if symmetric and j < i:
         blocks[i, j] = jnp.transpose(blocks[j, i], turn)
       elif isinstance(a, Broadcast) and isinstance(b, Broadcast):
-        block = bind(a.user, b.user)
+        block = read_rows.bind(eqn, bind, [a.user, b.user], [a.axis, b.axis], a.rows)
         rw.moved(eqn, block, a)
         blocks[i, j] = jnp.take(block, lhs.ids, axis=0, mode="clip")
       else:

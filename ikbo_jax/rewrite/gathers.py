@@ -6,8 +6,7 @@ computes it: the rewrite never assumes what an index is, so a clamp, a shift
 or `jnp.repeat`'s index is gathered with exactly as written.
 
 The work moved after it runs on the broadcast's user rows, so those rows must
-be exactly what the original computes on, forward and backward
-(`exact_rows`):
+be exactly what the original computes on, forward and backward:
 
 * out-of-range ids keep the gather's own semantics. "clip" clamps both ways,
   as the IKBO ops do. "promise in bounds" reads the clamped row but its
@@ -18,10 +17,9 @@ be exactly what the original computes on, forward and backward
 * a row no candidate reads (a user without candidates, a padding user) is
   never computed by the original, and a value there may be anything (a zero
   row that a norm divides by, NaN): with a zero cotangent, a non-finite
-  derivative there would still put NaN into the weights' gradients. Such rows
-  are replaced by a row some candidate reads, so whatever runs at U on them
-  is a copy of something the original computed, and their zero cotangent
-  stays zero.
+  derivative there would still put NaN into the weights' gradients. The
+  broadcast carries, for each row, a row some candidate reads (`rows`), at
+  which the work moved to U is differentiated (`read_rows.py`).
 
 `bounds` infers static ranges of integer values (from `clip`, `min`/`max`
 with constants, `iota`, and the `where(i < 0, i + n, i)` that indexing
@@ -63,7 +61,7 @@ def gather(rw, eqn, operands):
   user = jnp.concatenate([value[:, None] if keeps_axis else value,
                           *_extra_rows(eqn, value, mode)])
   rw.report.add("broadcast", eqn, bytes_saved=nbytes(eqn.outvars[0].aval))
-  return [Broadcast(jnp.take(user, rows, axis=0, mode="clip"), ids, 0)]
+  return [Broadcast(user, ids, 0, rows)]
 
 
 def _reads_whole_rows(eqn, indices_shape, value_shape) -> bool | None:

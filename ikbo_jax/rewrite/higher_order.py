@@ -4,7 +4,7 @@ Each is entered only in a way that keeps what it means:
 
 * `custom_jvp`: the call becomes a new `custom_jvp` whose primal is the
   rewritten primal and whose rule is the user's rule, evaluated by the rewrite
-  on the same lazy operands and tangents. It is used only where the rule's
+  on the same lazy operands (at read rows, `read_rows.py`) and tangents. It is used only where the rule's
   results have the same form as the primal's (a broadcast's tangent is a
   broadcast by the same index), so the tangent at B is exactly the user's
   rule's tangent; otherwise, and for rules with symbolic zeros, the call runs
@@ -25,7 +25,7 @@ from jax.extend.core import primitives as P
 
 from ikbo_jax.rewrite import closure
 from ikbo_jax.rewrite.report import Decline, Report
-from ikbo_jax.rewrite.values import materialize, Plain
+from ikbo_jax.rewrite.values import at_read_rows, materialize, Plain
 
 
 def _plain(v):
@@ -48,7 +48,7 @@ def custom_jvp_call(rw, eqn, operands):
     return rw.nested(report).eval_jaxpr(closed.jaxpr, closed.consts, rebuild(xs))
 
   def jvp_values(report, xs, dxs, itself):
-    primals = rebuild(xs)
+    primals = [at_read_rows(v) for v in rebuild(xs)]  # see read_rows.py
     tangents = rebuild([dx if jnp.issubdtype(x.dtype, jnp.inexact) else x
                         for x, dx in zip(xs, dxs)])
     outs = rw.nested(report, {key: itself}).eval_jaxpr(
@@ -85,8 +85,8 @@ def custom_jvp_call(rw, eqn, operands):
 
   @call.defjvp
   def call_jvp(xs, dxs):
-    p, t = jvp_values(Report(), xs, dxs, call_lazy)
-    return closure.export(p, xs)[0], closure.export(t, xs)[0]
+    _, t = jvp_values(Report(), xs, dxs, call_lazy)
+    return call(*xs), closure.export(t, xs)[0]
 
   rw.report.add("entered", eqn)
   return structure.rebuild(arrays, call(*arrays))

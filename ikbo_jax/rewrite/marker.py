@@ -23,7 +23,8 @@ def is_marker(eqn) -> bool:
 
 def rule(rw, eqn, operands):
   causal, scale, implementation = marked_options(eqn)
-  q, k, v, *kv_len = operands
+  # The ops' own backward rules take the user rows: unread ones are replaced beforehand.
+  q, k, v, *kv_len = (x.at_read_rows() if isinstance(x, Broadcast) else x for x in operands)
   if not (isinstance(k, Broadcast) and isinstance(v, Broadcast) and k.ids is v.ids
           and k.axis == v.axis == 0):
     raise Decline("its keys and values are not broadcasts by one index")

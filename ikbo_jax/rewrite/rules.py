@@ -16,6 +16,7 @@ import numpy as np
 from jax._src.lax.lax import stack_p  # not among jax.extend's primitives
 from jax.extend.core import primitives as P
 
+from ikbo_jax.rewrite import read_rows
 from ikbo_jax.rewrite.report import Decline
 from ikbo_jax.rewrite.values import (Broadcast, Concat, Plain, RowConstant, at_b, at_u,
                                      materialize, part_shape)
@@ -56,6 +57,11 @@ def user_operands(operands, lead: Broadcast):
     else:
       return None
   return out
+
+
+def _bound(eqn):
+  """The equation's primitive with its parameters, as a function of its operands."""
+  return lambda *operands: eqn.primitive.bind(*operands, **eqn.params)
 
 
 def first_broadcast(operands):
@@ -107,7 +113,8 @@ def elementwise(rw, eqn, operands):
   if users is None:
     raise Decline("its operands are not all rows of one broadcast, constants along its axis "
                   "or scalars")
-  out = eqn.primitive.bind(*users, **eqn.params)
+  row_axes = [lead.axis if isinstance(v, (Broadcast, RowConstant)) else None for v in operands]
+  out = read_rows.bind(eqn, _bound(eqn), users, row_axes, lead.rows)
   rw.moved(eqn, out, lead)
   return [lead.like(out)]
 
@@ -238,7 +245,7 @@ def reduction(rw, eqn, operands):
   axes = tuple(eqn.params["axes"])
   if v.axis in axes:
     raise Decline("it reduces over the candidate axis")
-  out = eqn.primitive.bind(v.user, **eqn.params)
+  out = read_rows.bind(eqn, _bound(eqn), [v.user], [v.axis], v.rows)
   rw.moved(eqn, out, v)
   return [v.like(out, v.axis - sum(a < v.axis for a in axes))]
 
@@ -249,7 +256,7 @@ def cumulative(rw, eqn, operands):
     return None
   if eqn.params["axis"] == v.axis:
     raise Decline("it accumulates along the candidate axis")
-  out = eqn.primitive.bind(v.user, **eqn.params)
+  out = read_rows.bind(eqn, _bound(eqn), [v.user], [v.axis], v.rows)
   rw.moved(eqn, out, v)
   return [v.like(out)]
 

@@ -47,13 +47,18 @@ class Plain:
   bounds: tuple[int, int] | None = None  # static [lo, hi] of an integer value, where known
 
 
-@_pytree(data=("user", "ids"), meta=("axis",))
+@_pytree(data=("user", "ids", "rows"), meta=("axis",))
 class Broadcast:
-  """`take(user, ids, axis, mode="clip")`: user rows at B; `user.shape[axis]` is U."""
+  """`take(user, ids, axis, mode="clip")`: user rows at B; `user.shape[axis]` is U.
+
+  `rows`, where set, is `int[U]`: for each user row, itself if some candidate
+  reads it, else a row some candidate reads (see `read_rows.py`).
+  """
 
   user: jax.Array
   ids: jax.Array  # int[B]
   axis: int = 0
+  rows: jax.Array | None = None
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -69,7 +74,13 @@ class Broadcast:
     return jnp.take(self.user, self.ids, axis=self.axis, mode="clip")
 
   def like(self, user: jax.Array, axis: int | None = None) -> Broadcast:
-    return Broadcast(user, self.ids, self.axis if axis is None else axis)
+    return Broadcast(user, self.ids, self.axis if axis is None else axis, self.rows)
+
+  def at_read_rows(self) -> Broadcast:
+    """The same broadcast with every unread user row replaced by a read one."""
+    if self.rows is None:
+      return self
+    return self.like(jnp.take(self.user, self.rows, axis=self.axis, mode="clip"))
 
 
 @_pytree(data=("compact",), meta=("shape", "at_u"))
@@ -124,6 +135,15 @@ def part_shape(v) -> tuple[int, ...]:
 def materialize(v) -> jax.Array:
   """The ordinary array a value stands for."""
   return v.value if isinstance(v, Plain) else v.materialize()
+
+
+def at_read_rows(v):
+  """`v` with every unread user row of its broadcasts replaced by a read one."""
+  if isinstance(v, Broadcast):
+    return v.at_read_rows()
+  if isinstance(v, Concat):
+    return Concat(tuple(at_read_rows(p) for p in v.parts), v.ids, v.dimension)
+  return v
 
 
 def at_b(v) -> bool:

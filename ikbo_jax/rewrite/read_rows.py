@@ -1,0 +1,61 @@
+"""Work moved to batch U, differentiated only where the original computes it.
+
+Work moved after a broadcast runs on every user row, but the original computes
+only the rows some candidate reads. An unread row (a padding user, a user
+whose candidates were all filtered out) may hold anything: a zero row that a
+norm divides by, a count whose `log` is -inf, NaN. Its value never reaches an
+output, since no candidate gathers it, but a derivative there can: its
+cotangent is zero, and zero times a non-finite partial is NaN, which a weight's
+gradient then sums over rows.
+
+So each such op (`bind`) computes its value as written, on all rows, and its
+derivative at the rows some candidate reads: every unread row is replaced by a
+read row (`Broadcast.rows`) before the op is differentiated there. On a read
+row that replacement is the identity, so the derivative is the original's; on
+an unread row it is a derivative the original computed elsewhere, finite
+where the original's is, and its zero cotangent keeps it out of every sum.
+The value is untouched, so a program that is not differentiated does no
+extra work: the replacement runs only inside the derivative rule.
+
+A custom derivative rule is entered the same way (`higher_order.py`). An IKBO
+op on user rows has its own backward, which JAX cannot differentiate forward
+inside such a rule, so its user operands are replaced eagerly
+(`Broadcast.at_read_rows`, in `marker.py`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def bind(eqn, fn, arrays, row_axes, rows):
+  """`fn(*arrays)`, differentiated at read rows only.
+
+  `row_axes` gives, per array, the axis holding user rows (None for any other
+  operand: a weight, a scalar); `rows` is the broadcasts' `rows`. `eqn` is the
+  equation `fn` computes: its result types decide whether there is a derivative.
+  """
+  if rows is None or not _differentiable(eqn, arrays):
+    return fn(*arrays)
+
+  @jax.custom_jvp
+  def call(rows, *xs):
+    del rows  # the value is computed as written; the rows matter to the derivative only
+    return fn(*xs)
+
+  @call.defjvp
+  def call_jvp(primals, tangents):
+    rows, *xs = primals
+    at_read = [x if axis is None else jnp.take(x, rows, axis=axis, mode="clip")
+               for x, axis in zip(xs, row_axes)]
+    _, out_tangent = jax.jvp(fn, at_read, list(tangents[1:]))
+    return call(rows, *xs), out_tangent
+
+  return call(rows, *arrays)
+
+
+def _differentiable(eqn, arrays) -> bool:
+  """Whether a derivative can flow: a float operand and float results."""
+  return (any(jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in arrays)
+          and all(jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in eqn.outvars))
