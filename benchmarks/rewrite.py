@@ -7,12 +7,14 @@ For models written the standard way (user rows copied with `x[cand_to_user]`),
 each under `jax.jit`: the original function, `ikbo_jax.rewrite.rewrite` of it,
 and the same model written by hand on the IKBO ops. Reports median times, the
 speedups over the original, the fraction of the hand-written speedup the
-rewrite reaches, and how long the rewrite takes to trace.
+rewrite reaches, how long the rewrite takes to trace, and each compiled program's
+kernels (`--kernels-only` counts them at the benchmark shapes on any backend).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 import jax
@@ -201,7 +203,21 @@ def ranker_case(config, b, ratio):
                                        candidates=(5, 6))
 
 
-def measure(name, case, iterations) -> dict:
+_NOT_KERNELS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast"})
+
+
+def kernels(fn, args) -> int:
+  """Instructions of the compiled program's entry computation that launch work (fusions,
+  library calls, copies): on a GPU, about its kernel launches."""
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  entry = text[text.index("\nENTRY"):].split("\n}")[0]
+  ops = [re.search(r"\s([a-z][\w-]*)\(", line.split(" = ", 1)[1])
+         for line in entry.splitlines()[1:] if " = " in line]
+  ops = [m.group(1) for m in ops if m]
+  return sum(op not in _NOT_KERNELS for op in ops)
+
+
+def measure(name, case, iterations, timed=True) -> dict:
   original, by_hand, args, where = case
   start = time.perf_counter()
   report = rewrite.explain(original, *args, **where)
@@ -209,8 +225,13 @@ def measure(name, case, iterations) -> dict:
   fns = dict(original=original, rewritten=rewrite.rewrite(original, **where), ikbo=by_hand)
   row = dict(trace_seconds=trace_s, changes=str(report).splitlines()[0])
   for label, fn in fns.items():
+    row[label] = dict(kernels=kernels(fn, args))
+  if not timed:
+    print(f"{name}: kernels " + ", ".join(f"{k} {row[k]['kernels']}" for k in fns), flush=True)
+    return row
+  for label, fn in fns.items():
     ms, timer = common.median_ms(jax.jit(fn), *args, iterations=iterations)
-    row[label] = dict(ms=ms, timer=timer)
+    row[label].update(ms=ms, timer=timer)
   want = jax.jit(original)(*args).astype(jnp.float32)
   got = jax.jit(fns["rewritten"])(*args).astype(jnp.float32)
   row["rewritten_relative_error"] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
@@ -230,6 +251,8 @@ def main() -> None:
   parser.add_argument("--small", action="store_true")
   parser.add_argument("--iterations", type=int, default=20)
   parser.add_argument("--cases", nargs="+", default=None, help="these cases only (default all)")
+  parser.add_argument("--kernels-only", action="store_true",
+                      help="compile and count each variant's kernels, time nothing")
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
   if args.small:
@@ -258,10 +281,11 @@ def main() -> None:
                  lce_take=lce_take_case(1024, 15, 433, 256, 1178, 866, dtype),
                  scan_tower=scan_tower_case(1024, 15, 1024, 4, dtype),
                  lookup_tower=lookup_tower_case(1024, 15, 2048, 512, dtype))
-  results = {name: measure(name, case, args.iterations) for name, case in cases.items()
-             if args.cases is None or name in args.cases}
+  results = {name: measure(name, case, args.iterations, timed=not args.kernels_only)
+             for name, case in cases.items() if args.cases is None or name in args.cases}
   common.write_json(args.out, dict(**common.metadata(), dtype=jnp.dtype(dtype).name,
-                                   iterations=args.iterations, cases=results))
+                                   iterations=0 if args.kernels_only else args.iterations,
+                                   cases=results))
 
 
 if __name__ == "__main__":

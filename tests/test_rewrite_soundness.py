@@ -324,3 +324,22 @@ def test_the_old_keyword_names_still_work_and_warn():
     rewrite.rewrite(model, mapping=1, mapping_argnum=1)
   with pytest.raises(TypeError, match="unexpected keyword argument 'user_argnum'"):
     rewrite.rewrite(model, mapping=1, user_argnum=0)
+
+
+@pytest.mark.parametrize("row", ["nan", "zero_length"])
+@pytest.mark.parametrize("queries", ["candidates", "users_too"])
+def test_attention_over_rows_of_users_without_candidates_keeps_gradients_finite(queries, row):
+  def model(seq, ids, cand, wq, wk, wv, lengths):
+    heads = lambda x: x.reshape(*x.shape[:-1], 2, 4)
+    k, v = heads(seq[ids] @ wk), heads(seq[ids] @ wv)
+    target = rewrite.attention(heads(cand @ wq), k, v, lengths[ids])
+    if queries == "candidates":
+      return target
+    encoded = rewrite.attention(heads(seq[ids] @ wq), k, v, lengths[ids], causal=True)
+    return target + jnp.sum(encoded, axis=1, keepdims=True)
+  seq = _normal(0, 5, 6, 8)
+  seq = seq.at[1].set(jnp.nan) if row == "nan" else seq.at[1].set(0.0)
+  lengths = jnp.array([6, 0 if row == "zero_length" else 6, 3, 1, 0], jnp.int32)
+  args = (seq, _UNUSED, _normal(1, B, 2, 8), *(_normal(k, 8, 8) for k in (2, 3, 4)), lengths)
+  report = check_rewrite(model, args, mapping=1, users=(0, 6), rtol=1e-4, atol=1e-5)
+  assert report.count("target_attention") == 1, str(report)

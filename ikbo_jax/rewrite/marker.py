@@ -23,8 +23,7 @@ def is_marker(eqn) -> bool:
 
 def rule(rw, eqn, operands):
   causal, scale, implementation = marked_options(eqn)
-  # The ops' own backward rules take the user rows: unread ones are replaced beforehand.
-  q, k, v, *kv_len = (x.at_read_rows() if isinstance(x, Broadcast) else x for x in operands)
+  q, k, v, *kv_len = operands
   if not (isinstance(k, Broadcast) and isinstance(v, Broadcast) and k.ids is v.ids
           and k.axis == v.axis == 0):
     raise Decline("its keys and values are not broadcasts by one index")
@@ -32,6 +31,11 @@ def rule(rw, eqn, operands):
     raise Decline("its key lengths are not a broadcast by the keys' index")
   lengths = [kv_len[0].user] if kv_len else []
   if isinstance(q, Broadcast) and q.ids is k.ids and q.axis == 0:  # all user rows: run at U
+    # Its backward rule multiplies every row's values by the row's (zero) cotangent, which
+    # JAX cannot differentiate forward to move to read rows (`read_rows.py`): unread rows
+    # are replaced beforehand. The IKBO op below gives unread users no gradient at all.
+    q, k, v = (x.at_read_rows() for x in (q, k, v))
+    lengths = [kv_len[0].at_read_rows().user] if kv_len else []
     out = marked(causal, scale, implementation)(q.user, k.user, v.user, *lengths)
     rw.report.add("at_users", eqn)
     return [q.like(out)]

@@ -17,10 +17,11 @@ where the original's is, and its zero cotangent keeps it out of every sum.
 The value is untouched, so a program that is not differentiated does no
 extra work: the replacement runs only inside the derivative rule.
 
-A custom derivative rule is entered the same way (`higher_order.py`). An IKBO
-op on user rows has its own backward, which JAX cannot differentiate forward
-inside such a rule, so its user operands are replaced eagerly
-(`Broadcast.at_read_rows`, in `marker.py`).
+A custom derivative rule is entered the same way (`higher_order.py`).
+Attention run at U has its own backward rule, which JAX cannot differentiate
+forward inside such a rule, so its operands are replaced in the value itself
+(`Broadcast.at_read_rows`, in `marker.py`); the IKBO ops give users without
+candidates no gradient at all and take the rows as they are.
 """
 
 from __future__ import annotations
