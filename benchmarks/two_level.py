@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -124,11 +125,17 @@ def _flops(name, b, g, u, w) -> float:
   }.get(name, b * w["k_item"] + g * w["k_group"] + u * w["k_user"])
 
 
+def _progress(what: str, start: float) -> None:
+  print(f"  {what} ({time.perf_counter() - start:.0f} s)", flush=True)
+
+
 def run_point(b, g, u, widths, dtype, ceilings, iterations):
+  start = time.perf_counter()
   args, index = problem(b, g, u, widths, dtype)
   rows = {}
   for name, (fn, operands) in variants(args, index).items():
     ms, timer = common.median_ms(fn, *operands, iterations=iterations)
+    _progress(f"{name}: {ms:.3f} ms", start)
     rows[name] = dict(ms=ms, timer=timer, **common.rates(
         ms, _flops(name, b, g, u, widths), 0.0, ceilings))
   rows["floor_own_gemms"] = dict(ms=sum(rows[f"floor_{x}_gemm"]["ms"]
@@ -140,8 +147,10 @@ def run_point(b, g, u, widths, dtype, ceilings, iterations):
   ref = two_level_linear_compression(*args, index, implementation="xla_materialized")
   got = two_level_linear_compression(*args, index)
   cotangent = jax.random.normal(jax.random.key(7), ref.shape, ref.dtype)
-  fwd_bwd = {name: common.median_ms(fn, *args, iterations=iterations)[0]
-             for name, fn in fwd_bwd_variants(args, index, cotangent).items()}
+  fwd_bwd = {}
+  for name, fn in fwd_bwd_variants(args, index, cotangent).items():
+    fwd_bwd[name] = common.median_ms(fn, *args, iterations=iterations)[0]
+    _progress(f"fwd_bwd {name}: {fwd_bwd[name]:.3f} ms", start)
   return dict(
       rows=rows, fwd_bwd_ms=fwd_bwd,
       speedup_vs_one_level_group_copied=rows["one_level_group_copied"]["ms"] / two,
@@ -199,13 +208,21 @@ def main():
   parser.add_argument("--out", required=True)
   parser.add_argument("--small", action="store_true", help="tiny shapes, any backend")
   parser.add_argument("--iterations", type=int, default=30)
+  parser.add_argument("--points", nargs="+", default=None, metavar="G,U",
+                      help="these (G, U) points, in this order (default: the issue's target "
+                      "point G=128,U=16 first, then the rest of G in {32,128,512} x U in {4,16,64})")
   args = parser.parse_args()
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
   widths = SMALL_WIDTHS if args.small else WIDTHS
   items = 64 if args.small else 2048
-  points = ([(8, 2)] if args.small else
-            [(g, u) for g in (32, 128, 512) for u in (4, 16, 64)])
+  if args.points:
+    points = [tuple(int(x) for x in p.split(",")) for p in args.points]
+  elif args.small:
+    points = [(8, 2)]
+  else:
+    points = [(128, 16)] + [(g, u) for g in (32, 128, 512) for u in (4, 16, 64)
+                            if (g, u) != (128, 16)]
   ceilings = common.measure_ceilings()
   payload = dict(**common.metadata(), dtype=jnp.dtype(dtype).name, ceilings=ceilings,
                  items=items, widths=widths, points={})

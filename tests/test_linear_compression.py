@@ -233,6 +233,7 @@ def test_gpu_benchmark_shape(implementation, k_cand):
 
 
 @pytest.mark.gpu
+@pytest.mark.big_memory
 def test_gpu_mosaic_gradients_at_benchmark_shape():
   """Every cotangent of the Mosaic path within 2x the same-precision XLA error."""
   rng = np.random.default_rng(14)

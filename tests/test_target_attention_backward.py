@@ -60,6 +60,7 @@ def test_interpret_backward_where_the_softmax_is_one_hot(implementation):
 
 
 @pytest.mark.gpu
+@pytest.mark.big_memory
 @pytest.mark.parametrize("case", [
     dataclasses.replace(_PEAKED, mapping=sweep.Mapping(8, 256, 0, False), n_seed=64,
                         seq_len=512, heads=2, head_dim=128, kv_len=(512,) * 8),
