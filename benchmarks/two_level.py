@@ -15,7 +15,8 @@ At B items, G groups and U users, per (G, U), median CUPTI kernel time of:
 
 Forward and forward + backward (`fwd_bwd`, one cotangent for all). Then attention over
 the user's history (S_user = 1024) and the group's (S_group = 256), one softmax: two-level
-against one level over per-group histories built by copying each user's history to its
+(one launch on the Mosaic GPU kernel; `two_level_two_launches`, one launch per region and their
+merge, as before) against one level over per-group histories built by copying each user's history to its
 groups (copy timed, and made beforehand), with each program's allocated memory. `--small`
 runs tiny shapes on any backend (CI keeps the script working).
 """
@@ -33,6 +34,9 @@ import numpy as np
 from benchmarks import common
 from ikbo_jax import (TwoLevelIndex, linear_compression, target_attention,
                       two_level_linear_compression, two_level_target_attention)
+from ikbo_jax.ops.target_attention import default_implementation
+from ikbo_jax.ops.target_attention.params import Params
+from ikbo_jax.ops.two_level_target_attention import _two_launches
 
 WIDTHS = dict(k_user=1178, k_group=512, k_item=866, m=433, n=256)
 SMALL_WIDTHS = dict(k_user=24, k_group=16, k_item=20, m=12, n=8)
@@ -188,6 +192,11 @@ def attention_point(b, g, u, shape, dtype, iterations):
     return jnp.concatenate([k_user[group_to_user], k_group], axis=1)
 
   two = lambda *a: two_level_target_attention(*a, index)
+  params = Params(scale=1 / np.sqrt(d), masked=False, return_lse=False)
+  full = lambda n, s: jnp.full((n,), s, jnp.int32)
+  two_launches = lambda *a: _two_launches(params, *a, index, full(u, shape["s_user"]),
+                                          full(g, shape["s_group"]),
+                                          implementation=default_implementation(dtype, d))[0]
   copied = lambda q, ku, vu, kg, vg: target_attention(q, per_group(ku, kg), per_group(vu, vg),
                                                       index.items)
   pre = lambda q, k, v: target_attention(q, k, v, index.items)
@@ -195,7 +204,8 @@ def attention_point(b, g, u, shape, dtype, iterations):
   built = (q, per_group(k_user, k_group), per_group(v_user, v_group))
   rows = {name: dict(ms=common.median_ms(jax.jit(fn), *a, iterations=iterations)[0],
                      memory_mb=_memory_mb(fn, *a))
-          for name, fn, a in (("two_level", two, args), ("one_level_per_group", copied, args),
+          for name, fn, a in (("two_level", two, args), ("two_level_two_launches", two_launches, args),
+                              ("one_level_per_group", copied, args),
                               ("one_level_per_group_pre", pre, built))}
   rows["per_group_histories_mb"] = 2 * built[1].nbytes / 1e6
   return dict(rows=rows, speedup_vs_copy_untimed=rows["one_level_per_group_pre"]["ms"]

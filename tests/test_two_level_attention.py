@@ -42,6 +42,25 @@ def test_interpreted_kernels_within_the_error_rule(implementation):
   sweep.assert_passes(case, (implementation,), interpret=True)
 
 
+def test_the_mosaic_forward_is_one_launch_over_both_regions(monkeypatch):
+  from ikbo_jax.kernels.mosaic_gpu import target_attention as kernel
+  launches = []
+  real = kernel.forward
+  monkeypatch.setattr(kernel, "forward", lambda *a, **kw: launches.append(kw) or real(*a, **kw))
+  index = TwoLevelIndex.from_mappings([0, 2, 1, 1, 0, 2], group_to_user=[1, 0, 1], num_users=2)
+  ks = jax.random.split(jax.random.key(0), 5)
+  q = jax.random.normal(ks[0], (6, 3, 1, 64), jnp.bfloat16)
+  k_user, v_user = (jax.random.normal(k, (2, 40, 1, 64), jnp.bfloat16) for k in ks[1:3])
+  k_group, v_group = (jax.random.normal(k, (3, 9, 1, 64), jnp.bfloat16) for k in ks[3:5])
+  lengths = dict(kv_len_user=jnp.array([40, 3]), kv_len_group=jnp.array([9, 0, 4]))
+  args = (q, k_user, v_user, k_group, v_group, index)
+  out = two_level_target_attention(*args, **lengths, implementation="mosaic_gpu", interpret=True)
+  assert len(launches) == 1 and launches[0]["group"] is not None
+  want = two_level_target_attention(*args, **lengths, implementation="xla")
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                             rtol=2e-2, atol=2e-2)
+
+
 def test_float32_within_the_error_rule():
   sweep.assert_passes(dataclasses.replace(CASES["uneven"], dtype="float32"),
                       ("xla_materialized", "xla"))
@@ -132,3 +151,33 @@ def test_the_module_equals_multi_head_attention_over_both_histories_copied():
                            jnp.arange(4) < kv_group[groups][:, None]], axis=1)
   want = mha(tokens, history, mask=valid[:, None, None, :])
   np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_lowers_for_cuda_in_one_launch_at_benchmark_shape(monkeypatch):
+  """Real CUDA lowering of the one-launch forward and its backward at the benchmark's shape."""
+  from jax.sharding import AbstractDevice, AbstractMesh
+
+  from ikbo_jax import platform
+  monkeypatch.setattr(platform, "default_platform", lambda: "gpu")
+  monkeypatch.setattr(platform, "is_hopper", lambda: True)
+  b, g, u, t, h, d = 2048, 128, 16, 64, 2, 128
+  spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+  specs = (spec(b, t, h, d), *[spec(u, 1024, h, d)] * 2, *[spec(g, 256, h, d)] * 2,
+           spec(b, dtype=jnp.int32), spec(g, dtype=jnp.int32))
+
+  def forward(q, k_user, v_user, k_group, v_group, item_to_group, group_to_user):
+    index = TwoLevelIndex.from_mappings(item_to_group, group_to_user, u)
+    return two_level_target_attention(q, k_user, v_user, k_group, v_group, index)
+
+  def forward_backward(*args):
+    return jax.grad(lambda *a: jnp.sum(forward(*a, *args[5:]).astype(jnp.float32) ** 2),
+                    argnums=(0, 1, 2, 3, 4))(*args[:5])
+
+  mesh = AbstractMesh((), (), abstract_device=AbstractDevice(
+      device_kind="NVIDIA H100 80GB HBM3", platform="cuda", num_cores=132))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(forward).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("ikbo_two_level_target_attention_mosaic_gpu") >= 1
+    assert "ikbo_target_attention_mosaic_gpu" not in text  # no per-region launch forward
+    text = jax.jit(forward_backward).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert "ikbo_two_level_target_attention_mosaic_gpu" in text

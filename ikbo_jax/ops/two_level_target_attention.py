@@ -4,12 +4,14 @@ its group's history, with one softmax over both.
 `out[i] = softmax(scale * q[i] . [k_user[user(i), :kv_user], k_group[group(i), :kv_group]])
 @ [v_user[user(i)], v_group[group(i)]]`
 
-Each region is one-level target attention reading its K/V by index (the user region by the
-composed item -> user mapping: no `[G, S_user, ...]` per-group copy of the user's history
-exists), returning its output and log-sum-exp; `merge_regions` combines them exactly: the
-softmax over both regions is each region's softmax weighted by `exp(lse_region - lse)`.
-Every backend of `target_attention` runs it, with the gradients of its own backward (the lse
-cotangent included) and the merge's by autodiff.
+On the Mosaic GPU kernel both regions run in one launch, one online softmax over the
+user's keys and then the group's (`two_level_target_attention_mosaic.py`). Elsewhere, and in
+that path's backward, each region is one-level target attention reading its K/V by index (the
+user region by the composed item -> user mapping: no `[G, S_user, ...]` per-group copy of the
+user's history exists), returning its output and log-sum-exp; `merge_regions` combines them
+exactly: the softmax over both regions is each region's softmax weighted by
+`exp(lse_region - lse)`. Every backend of `target_attention` runs that form, with the
+gradients of its own backward (the lse cotangent included) and the merge's by autodiff.
 """
 
 from __future__ import annotations
@@ -17,8 +19,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ikbo_jax import _dispatch
 from ikbo_jax import _validation as checks
+from ikbo_jax.ops import two_level_target_attention_mosaic as mosaic
 from ikbo_jax.ops.target_attention import Implementation, target_attention
+from ikbo_jax.ops.target_attention.api import BACKENDS, check_args, prepare_kv_len
+from ikbo_jax.ops.target_attention.params import Params
 from ikbo_jax.two_level_index import TwoLevelIndex
 
 _F32 = jnp.float32
@@ -85,14 +91,38 @@ def two_level_target_attention(q, k_user, v_user, k_group, v_group, index: TwoLe
   for name, x in (("k_group", k_group), ("v_group", v_group)):
     checks.check_dim(name, x, 2, q.shape[2], "H, from q")
   checks.check_dim("k_group", k_group, 0, index.num_groups, "G, from index.num_groups")
-  scale = checks.resolve_scale(scale, q.shape[-1])
-  if checks.check_flag("checked", checked):
+  check_args(q, k_user, v_user, index.item_to_user, kv_len_user)
+  check_args(q, k_group, v_group, index.items, kv_len_group)
+  q, k_user, v_user, k_group, v_group = map(jnp.asarray, (q, k_user, v_user, k_group, v_group))
+  dtype = checks.check_float_dtypes(q=q, k_user=k_user, v_user=v_user, k_group=k_group,
+                                    v_group=v_group)
+  interpret = checks.check_flag("interpret", interpret)
+  implementation = _dispatch.resolve(BACKENDS, implementation, dtype, interpret=interpret,
+                                     head_dim=q.shape[-1]).name
+  params = Params(scale=checks.resolve_scale(scale, q.shape[-1]),
+                  masked=kv_len_user is not None or kv_len_group is not None,
+                  return_lse=checks.check_flag("return_lse", return_lse), interpret=interpret)
+  checked = checks.check_flag("checked", checked)
+  if checked:
     index.groups.check()
-  common = dict(scale=scale, return_lse=True, implementation=implementation, checked=checked,
-                interpret=interpret)
+  kv_len_user = prepare_kv_len(kv_len_user, index.item_to_user, k_user.shape[1], checked)
+  kv_len_group = prepare_kv_len(kv_len_group, index.items, k_group.shape[1], checked)
+  operands = (q, k_user, v_user, k_group, v_group, index, kv_len_user, kv_len_group)
+  if implementation == "mosaic_gpu":  # both regions in one launch
+    _dispatch.reverse_mode_only("ikbo_jax.two_level_target_attention", q, k_user, v_user,
+                                k_group, v_group)
+    return mosaic.attention(params, _two_launches, *operands)
+  out, lse = _two_launches(params, *operands, implementation=implementation)
+  return (out, lse) if params.return_lse else out
+
+
+def _two_launches(params: Params, q, k_user, v_user, k_group, v_group, index, kv_len_user,
+                  kv_len_group, implementation: Implementation = "mosaic_gpu"):
+  """`(out, lse)`: each region's one-level attention, merged (lengths already prepared)."""
+  common = dict(scale=params.scale, return_lse=True, implementation=implementation,
+                interpret=params.interpret)
   user_part = target_attention(q, k_user, v_user, index.item_to_user, kv_len=kv_len_user,
                                **common)
   group_part = target_attention(q, k_group, v_group, index.items, kv_len=kv_len_group,
                                 **common)
-  out, lse = merge_regions([user_part, group_part])
-  return (out, lse) if checks.check_flag("return_lse", return_lse) else out
+  return merge_regions([user_part, group_part])

@@ -23,7 +23,12 @@ writes zeros and `lse = -inf`.
 Self + target attention in one launch (`SelfAttention`): the first work items
 are tiles of 128 rows of each user's own query sequence, attending to the
 same per-user K/V, and the candidate tiles follow; the persistent loop deals
-out both kinds alike, so neither leaves SMs idle. Causal user tiles skip the
+out both kinds alike, so neither leaves SMs idle.
+
+Two-level attention in one launch (`GroupRegion`): each candidate tile (all
+its candidates of one group, so of one user) streams its user's K/V blocks and
+then its group's through the same pipeline, under one online softmax; keys past
+either region's length are masked. Causal user tiles skip the
 K/V blocks past their last query and mask only the diagonal block; query rows
 past `kv_len` are written as zeros.
 """
@@ -45,7 +50,7 @@ from ikbo_jax.kernels.mosaic_gpu.query_tiles import QueryTiles
 from ikbo_jax.kernels.mosaic_gpu.target_attention_consumer import Consumer
 from ikbo_jax.kernels.mosaic_gpu.target_attention_items import BLOCK_ROWS, Refs, WorkItems
 
-__all__ = ["BLOCK_ROWS", "NUM_CONSUMERS", "Config", "SelfAttention", "forward"]
+__all__ = ["BLOCK_ROWS", "NUM_CONSUMERS", "Config", "GroupRegion", "SelfAttention", "forward"]
 
 _CONSUMER_REGISTERS = 232
 
@@ -106,7 +111,7 @@ def _produce(refs: Refs, items: WorkItems):
   It runs ahead across items too: the next item's first K/V blocks load
   during this one's epilogue.
   """
-  stages, block_kv = refs.k_smem.shape[0], items.block_kv
+  stages = refs.k_smem.shape[0]
 
   def item_body(i, first_step):
     item = items.info(i)
@@ -115,13 +120,14 @@ def _produce(refs: Refs, items: WorkItems):
     def _(step):
       pipeline_step = first_step + step
       slot = lax.rem(pipeline_step, stages)
-      kv_block = (item.user, pl.ds(step * block_kv, block_kv), item.head)
       # K and V slots free up separately: a block's K is done half a step
       # before its V, so the next K load need not wait for the P V.
       pl.when(pipeline_step >= stages)(lambda: plgpu.barrier_wait(refs.k_consumed.at[slot]))
-      plgpu.copy_gmem_to_smem(refs.k.at[kv_block], refs.k_smem.at[slot], refs.k_ready.at[slot])
+      _load_block(items, item, step, refs.k, refs.group_k, refs.k_smem.at[slot],
+                  refs.k_ready.at[slot])
       pl.when(pipeline_step >= stages)(lambda: plgpu.barrier_wait(refs.v_consumed.at[slot]))
-      plgpu.copy_gmem_to_smem(refs.v.at[kv_block], refs.v_smem.at[slot], refs.v_ready.at[slot])
+      _load_block(items, item, step, refs.v, refs.group_v, refs.v_smem.at[slot],
+                  refs.v_ready.at[slot])
 
     return first_step + item.kv_steps
 
@@ -136,9 +142,39 @@ def _produce(refs: Refs, items: WorkItems):
       plgpu.barrier_wait(refs.v_consumed.at[slot])
 
 
+def _load_block(items: WorkItems, item, step, user_ref, group_ref, smem, ready):
+  """Copies the item's K/V block `step` into `smem`: the user's, or past them the group's."""
+  block_kv = items.block_kv
+  user_block = (item.user, pl.ds(step * block_kv, block_kv), item.head)
+  if not items.has_group:
+    plgpu.copy_gmem_to_smem(user_ref.at[user_block], smem, ready)
+    return
+  start = step * block_kv
+  in_group = start >= item.group_start
+  group_block = (item.group, pl.ds(jnp.maximum(start - item.group_start, 0), block_kv), item.head)
+  pl.when(jnp.logical_not(in_group))(
+      lambda: plgpu.copy_gmem_to_smem(user_ref.at[user_block], smem, ready))
+  pl.when(in_group)(lambda: plgpu.copy_gmem_to_smem(group_ref.at[group_block], smem, ready))
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupRegion:
+  """A second key region per candidate tile, after its user's keys (two-level attention).
+
+  `k`, `v`: `[G, S_group, H, D]`, S_group a multiple of the K/V block; `tile_group`:
+  `int32[num_tiles]`, each tile's group (a valid id also for dead tiles);
+  `tile_kv_len`: `int32[num_tiles]`, that group's valid keys (0 for dead tiles).
+  """
+
+  k: jax.Array
+  v: jax.Array
+  tile_group: jax.Array
+  tile_kv_len: jax.Array
+
+
 def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: bool,
-            self_attention: SelfAttention | None = None, config: Config = Config(),
-            interpret: bool = False):
+            self_attention: SelfAttention | None = None, group: GroupRegion | None = None,
+            config: Config = Config(), interpret: bool = False):
   """Packed-query target attention, and optionally the users' self-attention in the same launch.
 
   Args:
@@ -152,6 +188,8 @@ def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: 
     save_lse: also return the float32 lse of the candidate queries, `[B, H, T]`.
     self_attention: the users' own queries (`q [U, S, H, D]`, S a multiple of
       128) to run in the same launch, or None.
+    group: a second key region for every candidate tile, one softmax over both
+      (not with `self_attention`), or None.
     config: K/V block size and pipeline depth.
     interpret: run under the Mosaic GPU interpreter.
 
@@ -167,16 +205,24 @@ def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: 
   if self_attention is not None and seq_len % tile_rows:
     raise ValueError(f"S={seq_len} must be a multiple of {tile_rows} with self-attention")
   dtype = q.dtype
+  has_self, has_group = self_attention is not None, group is not None
+  if has_self and has_group:
+    raise ValueError("a launch runs self-attention or a second key region, not both")
+  max_steps = (seq_len + (group.k.shape[1] if has_group else 0)) // config.block_kv
+  if has_group and group.k.shape[1] % config.block_kv:
+    raise ValueError(f"S_group={group.k.shape[1]} must be a multiple of "
+                     f"block_kv={config.block_kv}")
   # No more pipeline stages than K/V blocks: the rest would only take shared memory.
-  stages = min(config.max_concurrent_steps, seq_len // config.block_kv)
+  stages = min(config.max_concurrent_steps, max_steps)
   q_transforms = smem_transforms(head_dim, dtype)
-  has_self = self_attention is not None
 
   def entry(*refs):
     refs = list(refs)
     in_refs = refs[:8]
-    user_kv_len_ref, q_user_ref = refs[8:10] if has_self else (None, None)
-    outs = refs[10:] if has_self else refs[8:]
+    del refs[:8]
+    group_refs = [refs.pop(0) for _ in range(4)] if has_group else [None] * 4
+    user_kv_len_ref, q_user_ref = (refs.pop(0), refs.pop(0)) if has_self else (None, None)
+    outs = refs
     out_ref = outs.pop(0)
     lse_ref = outs.pop(0) if save_lse else None
     out_user_ref = outs.pop(0) if has_self else None
@@ -189,7 +235,8 @@ def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: 
     )
     pl.run_scoped(
         lambda smem, ready, consumed, turn_barriers: _kernel(
-            *in_refs, user_kv_len_ref, q_user_ref, out_ref, lse_ref, out_user_ref, *smem, *ready,
+            *in_refs, *group_refs, user_kv_len_ref, q_user_ref, out_ref, lse_ref, out_user_ref,
+            *smem, *ready,
             *consumed, turn_barriers, scale=scale, slot_rows=tiles.slot_rows,
             causal=has_self and self_attention.causal, config=config, interpret=interpret),
         scratch,
@@ -205,6 +252,8 @@ def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: 
   if save_lse:
     out_type.append(jax.ShapeDtypeStruct((num_cands, num_heads, num_queries), jnp.float32))
   operands = [tiles.user, tile_kv_len, tiles.cands, tiles.num_valid, tiles.piece, q, k, v]
+  if has_group:
+    operands += [group.k, group.v, group.tile_group, group.tile_kv_len]
   num_tiles = tiles.num_tiles
   if has_self:
     out_type.append(jax.ShapeDtypeStruct(k.shape, dtype))
@@ -221,6 +270,7 @@ def forward(q, k, v, tiles: QueryTiles, tile_kv_len, *, scale: float, save_lse: 
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret_params(interpret),
       kernel_name=("ikbo_self_target_attention_mosaic_gpu" if has_self
+                   else "ikbo_two_level_target_attention_mosaic_gpu" if has_group
                    else "ikbo_target_attention_mosaic_gpu"),
   )(*operands)
   results = list(results)

@@ -202,6 +202,8 @@ class _ItemPass:
       key = plgpu.broadcasted_iota(jnp.int32, logits.shape, 1, layout=plgpu.Layout.WGMMA)
       key += step * c.items.block_kv
       keep = key < self.item.kv_len
+      if c.items.has_group:
+        keep |= (key >= self.item.group_start) & (key < self.item.group_end)
       if c.causal:
         row = plgpu.broadcasted_iota(jnp.int32, logits.shape, 0, layout=plgpu.Layout.WGMMA)
         keep &= key <= row + jnp.where(self.item.is_user, self.user_rows, NO_LIMIT)

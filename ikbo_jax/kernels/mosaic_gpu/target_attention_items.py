@@ -1,7 +1,9 @@
 """The forward kernel's refs and work items: what each pass of its persistent loop serves.
 
 A work item is a (query tile, head) pair: the users' own query tiles first
-(self + target attention), then the candidate tiles of `QueryTiles`. Items
+(self + target attention), then the candidate tiles of `QueryTiles`. With a
+second key region (two-level attention), a candidate tile's key sequence is its
+user's keys, then its group's. Items
 are numbered head fastest, so that CTAs running together share a user's K/V
 in L2, and program `p` of `P` takes items `p, p + P, p + 2P, ...`. Both the
 consumers and the producer walk the same items, so both derive them here.
@@ -28,8 +30,9 @@ NO_LIMIT = 1 << 30
 class Refs:
   """The forward kernel's global-memory refs and its shared-memory scratch.
 
-  The self-attention refs (`user_kv_len`, `q_user`, `out_user`) and `lse`
-  are None when the launch has no user tiles or saves no lse.
+  The self-attention refs (`user_kv_len`, `q_user`, `out_user`), the second key
+  region's (`group_k`, `group_v`, `tile_group`, `tile_group_kv_len`) and `lse`
+  are None when the launch has no user tiles, no second region or saves no lse.
   """
 
   tile_user: Any
@@ -40,6 +43,10 @@ class Refs:
   q: Any
   k: Any
   v: Any
+  group_k: Any
+  group_v: Any
+  tile_group: Any
+  tile_group_kv_len: Any
   user_kv_len: Any
   q_user: Any
   out: Any
@@ -71,12 +78,19 @@ class Item(NamedTuple):
   full_steps: jax.Array  # leading blocks that need no mask
   is_user: jax.Array | bool  # a tile of a user's own queries
   user_row: jax.Array  # for user tiles, the first query row of the tile
+  # The second key region (a group's history), after the user's blocks: keys
+  # `[group_start, group_end)` of the item's key sequence are the group's first
+  # `group_end - group_start` keys. Both 0 without one.
+  group: jax.Array | int = 0
+  group_start: jax.Array | int = 0
+  group_end: jax.Array | int = 0
 
 
 def loaded_scalars(item: Item) -> dict:
   """The scalars an item reads from global memory (the consumers load them one item ahead)."""
   return dict(user=item.user, kv_len=item.kv_len, kv_steps=item.kv_steps,
-              full_steps=item.full_steps)
+              full_steps=item.full_steps, group=item.group, group_start=item.group_start,
+              group_end=item.group_end)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +121,10 @@ class WorkItems:
   def has_self(self) -> bool:
     return self.refs.q_user is not None
 
+  @property
+  def has_group(self) -> bool:
+    return self.refs.group_k is not None
+
   def info(self, i) -> Item:
     """Item `i` of this program."""
     refs, block_kv = self.refs, self.block_kv
@@ -114,8 +132,17 @@ class WorkItems:
     tile, head = lax.div(item, self.num_heads), lax.rem(item, self.num_heads)
     if not self.has_self:
       kv_len = refs.tile_kv_len[tile]
-      return Item(tile, head, refs.tile_user[tile], kv_len, pl.cdiv(kv_len, block_kv),
+      item = Item(tile, head, refs.tile_user[tile], kv_len, pl.cdiv(kv_len, block_kv),
                   kv_len // block_kv, False, jnp.int32(0))
+      if not self.has_group:
+        return item
+      # The group's blocks follow the user's last (partial) block; every step from the
+      # user's first partial block on is masked.
+      group_start = item.kv_steps * block_kv
+      group_len = refs.tile_group_kv_len[tile]
+      return item._replace(kv_steps=item.kv_steps + pl.cdiv(group_len, block_kv),
+                           group=refs.tile_group[tile], group_start=group_start,
+                           group_end=group_start + group_len)
     num_user_tiles = self.num_users * self.tiles_per_user
     tile_rows = NUM_CONSUMERS * BLOCK_ROWS
     is_user = tile < num_user_tiles
