@@ -127,6 +127,8 @@ def main() -> None:
   parser.add_argument("--overload-pool", type=int, default=2000,
                       help="overload: distinct requests the clients cycle through")
   parser.add_argument("--overload-seconds", type=float, help="default 60, --small 2")
+  parser.add_argument("--mean-candidates", type=float,
+                      help="candidates per request, on average (default 70, --small 8)")
   parser.add_argument("--sustained", type=float, nargs=2, metavar=("IKBO", "STANDARD"),
                       help="overload without the serving part: the builds' sustained rates "
                            "(from an earlier run) that the factor multiplies")
@@ -146,6 +148,7 @@ def main() -> None:
     rates = (200, 400, 800, 1200, 1600, 2400, 3200, 4800, 6400, 9600, 12800)
     mean = 70.0
   sizes, ratios, rates = args.sizes or sizes, args.ratios or ratios, args.rates or rates
+  mean = args.mean_candidates or mean
   budget_ms = args.budget_ms or (100.0 if args.small else 20.0)
   model = Ranker(config, rngs=nnx.Rngs(0))
   payload = dict(**common.metadata(), config=str(config), iterations=args.iterations)

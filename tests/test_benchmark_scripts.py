@@ -78,6 +78,7 @@ def test_small_results_are_complete(small_run):
                           "pairwise", "gqa_attention", *towers}
     for case, row in cases.items():
       assert row["original"]["ms"] > 0 and row["rewritten"]["ms"] > 0 and row["ikbo"]["ms"] > 0
+      assert all(row[build]["kernels"] > 0 for build in ("original", "rewritten", "ikbo"))
       assert row["rewritten_relative_error"] < 1e-4, (case, row["rewritten_relative_error"])
       # A tower's scores multiply user rows by candidate rows: that one copy is inherent.
       expected = "1 materialized" if case in towers else "materialized"
@@ -87,7 +88,8 @@ def test_small_results_are_complete(small_run):
       assert point["rows"]["two_level"]["ms"] > 0 and point["rows"]["floor_own_gemms"]["ms"] > 0
       assert point["rel_diff_vs_materialized"] < 1e-5 and point["fwd_bwd_ms"]["two_level"] > 0
       assert all(point["attention"]["rows"][name]["ms"] > 0 for name in (
-          "two_level", "one_level_per_group", "one_level_per_group_pre"))
+          "two_level", "two_level_two_launches", "one_level_per_group",
+          "one_level_per_group_pre"))
   elif name == "linear_compression":
     row = result["ladder"]["baseline_materialized"]
     assert row["ms"] > 0 and 0 < row["roofline_fraction"] and row["tbps"] > 0
