@@ -14,8 +14,9 @@ read row (`Broadcast.rows`) before the op is differentiated there. On a read
 row that replacement is the identity, so the derivative is the original's; on
 an unread row it is a derivative the original computed elsewhere, finite
 where the original's is, and its zero cotangent keeps it out of every sum.
-The value is untouched, so a program that is not differentiated does no
-extra work: the replacement runs only inside the derivative rule.
+A program that is not differentiated does no extra work: the replacement runs
+only inside the derivative rule, whose value (computed at the read rows too)
+differs from the op's only on rows that no candidate reads.
 
 A custom derivative rule is entered the same way (`higher_order.py`).
 Attention run at U has its own backward rule, which JAX cannot differentiate
@@ -50,8 +51,9 @@ def bind(eqn, fn, arrays, row_axes, rows):
     rows, *xs = primals
     at_read = [x if axis is None else jnp.take(x, rows, axis=axis, mode="clip")
                for x, axis in zip(xs, row_axes)]
-    _, out_tangent = jax.jvp(fn, at_read, list(tangents[1:]))
-    return call(rows, *xs), out_tangent
+    # The value at the read rows, too: it differs from `fn(*xs)` only on unread rows,
+    # which nothing reads, and the op runs once.
+    return jax.jvp(fn, at_read, list(tangents[1:]))
 
   return call(rows, *arrays)
 
