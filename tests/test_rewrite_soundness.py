@@ -282,6 +282,19 @@ def test_rows_of_users_without_candidates_stay_out_of_every_gradient(program):
   assert report.count("at_users") >= 1, str(report)
 
 
+# Defect (found by the long property test, seed 40043): work at U differentiated at read
+# rows took an unread row's own tangent through a partial at another row's values. Here row
+# 1 is unread and candidate 0 reads row 2, a zero row where `log|x|` has an infinite
+# derivative: the unread row's gradient (only the direct one, as an output) became NaN.
+def test_an_unread_rows_gradient_never_meets_another_rows_partial():
+  def model(user, ids, cand, w):
+    rows = user[(ids + 1) % user.shape[0]]
+    return rows + jnp.log(jnp.abs(rows)) + cand @ w, user
+  user = _normal(0, 3, 8).at[2].set(0.0)
+  args = (user, jnp.array([1, 1, 2, 2], jnp.int32), _normal(1, 4, 5), _normal(2, 5, 8))
+  check_rewrite(model, args, mapping=1, users=0)
+
+
 # Slowness: the rows above were once replaced before the work at U ran (a scatter
 # marking the rows read, then a gather), in every call, differentiated or not;
 # on small programs that cost more than the work moved to U saved. The

@@ -49,8 +49,8 @@ def custom_jvp_call(rw, eqn, operands):
 
   def jvp_values(report, xs, dxs, itself):
     primals = [at_read_rows(v) for v in rebuild(xs)]  # see read_rows.py
-    tangents = rebuild([dx if jnp.issubdtype(x.dtype, jnp.inexact) else x
-                        for x, dx in zip(xs, dxs)])
+    tangents = [at_read_rows(v) for v in rebuild(
+        [dx if jnp.issubdtype(x.dtype, jnp.inexact) else x for x, dx in zip(xs, dxs)])]
     outs = rw.nested(report, {key: itself}).eval_jaxpr(
         jvp_closed.jaxpr, jvp_closed.consts, primals + [tangents[i] for i in differentiable])
     return outs[:len(eqn.outvars)], outs[len(eqn.outvars):]

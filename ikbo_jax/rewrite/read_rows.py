@@ -49,13 +49,20 @@ def bind(eqn, fn, arrays, row_axes, rows):
   @call.defjvp
   def call_jvp(primals, tangents):
     rows, *xs = primals
-    at_read = [x if axis is None else jnp.take(x, rows, axis=axis, mode="clip")
-               for x, axis in zip(xs, row_axes)]
-    # The value at the read rows, too: it differs from `fn(*xs)` only on unread rows,
-    # which nothing reads, and the op runs once.
-    return jax.jvp(fn, at_read, list(tangents[1:]))
+    # Tangents too: an unread row's tangent is its read row's, so its cotangent goes back to
+    # the read row (zero, added there), never through a partial taken at another row's
+    # values into its own. The value comes at the read rows as well: it differs from
+    # `fn(*xs)` only on rows nothing reads, and the op runs once.
+    at_read = lambda values: [_at_rows(x, rows, axis) for x, axis in zip(values, row_axes)]
+    return jax.jvp(fn, at_read(xs), at_read(tangents[1:]))
 
   return call(rows, *arrays)
+
+
+def _at_rows(x, rows, axis):
+  if axis is None or x.dtype == jax.dtypes.float0:
+    return x
+  return jnp.take(x, rows, axis=axis, mode="clip")
 
 
 def _differentiable(eqn, arrays) -> bool:
