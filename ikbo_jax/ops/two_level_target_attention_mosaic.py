@@ -14,43 +14,25 @@ log-sum-exp.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from ikbo_jax._padding import pad_to, round_up
-from ikbo_jax.kernels.mosaic_gpu import query_tiles
-from ikbo_jax.kernels.mosaic_gpu import target_attention as kernel
-from ikbo_jax.ops.target_attention import xla
+from ikbo_jax.ops.target_attention import mosaic_gpu
 from ikbo_jax.ops.target_attention.params import Params
 from ikbo_jax.two_level_index import TwoLevelIndex
 
 
 def forward(params: Params, q, k_user, v_user, k_group, v_group, index: TwoLevelIndex,
-            kv_len_user, kv_len_group, config: kernel.Config = kernel.Config()):
+            kv_len_user, kv_len_group):
   """`(out [B, T, H, D], lse [B, T, H] float32)`; lengths already clamped to each region's S."""
-  num_queries = q.shape[1]
-  if params.masked:  # `0 * NaN` is NaN: V rows past the lengths must be zeros, not padding
-    v_user = xla.zero_past_length(v_user, kv_len_user)
-    v_group = xla.zero_past_length(v_group, kv_len_group)
-  packed_queries = query_tiles.packed_num_queries(num_queries, kernel.BLOCK_ROWS)
-  pad_keys = lambda x: pad_to(x, 1, round_up(x.shape[1], config.block_kv))
-  items = index.items  # items -> groups: the tiles are per group
-  tiles = query_tiles.build(items.sort_order, items.user_offsets, packed_queries,
-                            block_rows=kernel.BLOCK_ROWS, blocks_per_tile=kernel.NUM_CONSUMERS)
-  group = tiles.user
-  user = index.groups.clamped_cand_to_user[group]
-  group_region = kernel.GroupRegion(pad_keys(k_group), pad_keys(v_group), group,
-                                    jnp.where(tiles.live, kv_len_group[group], 0))
-  out, lse, _ = kernel.forward(
-      pad_to(q, 1, packed_queries), pad_keys(k_user), pad_keys(v_user),
-      dataclasses.replace(tiles, user=user), jnp.where(tiles.live, kv_len_user[user], 0),
-      scale=params.scale, save_lse=True, group=group_region, config=config,
-      interpret=params.interpret)
-  return out[:, :num_queries], jnp.transpose(lse, (0, 2, 1))[:, :num_queries]
+  group = mosaic_gpu.GroupHistory(index.items, index.groups.clamped_cand_to_user, k_group,
+                                  v_group, kv_len_group)
+  return mosaic_gpu.two_level_forward(q, k_user, v_user, kv_len_user, group,
+                                      scale=params.scale, mask_past_length=params.masked,
+                                      interpret=params.interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

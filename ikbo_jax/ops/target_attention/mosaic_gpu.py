@@ -15,6 +15,9 @@ GPUs without Hopper instructions.
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 
 from ikbo_jax import _dispatch
@@ -36,15 +39,34 @@ def head_dim_limit(head_dim: int) -> str | None:
   return None
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupHistory:
+  """The second key region of two-level attention: each group's own history.
+
+  `index` maps items to groups (`[B] -> [G]`, so the query tiles are per group),
+  `group_to_user` each group to its user (clamped into `[0, U)`), and `k`, `v`,
+  `kv_len` are the groups' keys, values and valid lengths (`[G, S_group, H, D]`,
+  `int32[G]` clamped to `[0, S_group]`).
+  """
+
+  index: CandidateIndex
+  group_to_user: jax.Array
+  k: jax.Array
+  v: jax.Array
+  kv_len: jax.Array
+
+
 def _run(q, k, v, index: CandidateIndex, kv_len, *, scale: float, save_lse: bool,
-         q_user, causal: bool, mask_past_length: bool, config: kernel.Config, interpret: bool):
+         q_user, causal: bool, mask_past_length: bool, config: kernel.Config, interpret: bool,
+         group: GroupHistory | None = None):
   """Pads, builds the query tiles, runs the kernel and slices the padding off again.
 
   The kernel reads whole K/V blocks, so a user's last block may include rows
   past `kv_len`: their logits are masked, but `P V` multiplies the zero
   probabilities by those values, and `0 * NaN` is NaN. `mask_past_length`
   zeroes them first (one pass over V at batch U, fused with the padding when
-  there is any); callers whose lengths are all `S` skip it.
+  there is any); callers whose lengths are all `S` skip it. With `group`, the
+  tiles are per group and stream the group's keys after their user's.
   """
   num_queries, seq_len = q.shape[1], k.shape[1]
   if mask_past_length:
@@ -56,13 +78,19 @@ def _run(q, k, v, index: CandidateIndex, kv_len, *, scale: float, save_lse: bool
     seq_multiple = max(seq_multiple, kernel.NUM_CONSUMERS * kernel.BLOCK_ROWS)
   padded_len = round_up(seq_len, seq_multiple)
   k, v = pad_to(k, 1, padded_len), pad_to(v, 1, padded_len)
-  tiles, tile_kv_len = _tiles(index, kv_len, packed_queries)
+  if group is None:
+    tiles, tile_kv_len = _tiles(index, kv_len, packed_queries)
+    group_region = None
+  else:
+    tiles, group_region = _group_tiles(group, packed_queries, mask_past_length, config)
+    tiles = dataclasses.replace(tiles, user=group.group_to_user[tiles.user])
+    tile_kv_len = jnp.where(tiles.live, kv_len[tiles.user], 0)
   user_queries = None
   if q_user is not None:
     user_queries = kernel.SelfAttention(pad_to(q_user, 1, padded_len), kv_len, causal)
   out, lse, out_user = kernel.forward(q, k, v, tiles, tile_kv_len, scale=scale,
                                       save_lse=save_lse, self_attention=user_queries,
-                                      config=config, interpret=interpret)
+                                      group=group_region, config=config, interpret=interpret)
   if lse is not None:
     lse = jnp.transpose(lse, (0, 2, 1))[:, :num_queries]
   if out_user is not None:
@@ -77,6 +105,17 @@ def _tiles(index: CandidateIndex, kv_len, packed_queries: int):
   return tiles, jnp.where(tiles.live, kv_len[tiles.user], 0)
 
 
+def _group_tiles(group: GroupHistory, packed_queries: int, mask_past_length: bool,
+                 config: kernel.Config):
+  """The per-group query tiles (`tiles.user` is a group) and the kernel's group region."""
+  tiles, tile_kv_len = _tiles(group.index, group.kv_len, packed_queries)
+  v = xla.zero_past_length(group.v, group.kv_len) if mask_past_length else group.v
+  padded_len = round_up(group.k.shape[1], config.block_kv)
+  region = kernel.GroupRegion(pad_to(group.k, 1, padded_len), pad_to(v, 1, padded_len),
+                              tiles.user, tile_kv_len)
+  return tiles, region
+
+
 def aligned_forward(q, k, v, index: CandidateIndex, kv_len, *, scale: float, save_lse: bool,
                     mask_past_length: bool = False, config: kernel.Config = kernel.Config(),
                     interpret: bool = False):
@@ -84,6 +123,16 @@ def aligned_forward(q, k, v, index: CandidateIndex, kv_len, *, scale: float, sav
   out, lse, _ = _run(q, k, v, index, kv_len, scale=scale, save_lse=save_lse, q_user=None,
                      causal=False, mask_past_length=mask_past_length, config=config,
                      interpret=interpret)
+  return out, lse
+
+
+def two_level_forward(q, k_user, v_user, kv_len_user, group: GroupHistory, *, scale: float,
+                      mask_past_length: bool = False, config: kernel.Config = kernel.Config(),
+                      interpret: bool = False):
+  """`(out [B, T, H, D], lse [B, T, H] float32)`: one softmax over the user's and group's keys."""
+  out, lse, _ = _run(q, k_user, v_user, group.index, kv_len_user, scale=scale, save_lse=True,
+                     q_user=None, causal=False, mask_past_length=mask_past_length,
+                     config=config, interpret=interpret, group=group)
   return out, lse
 
 
