@@ -60,6 +60,9 @@ def write_requests(requests: Sequence[Request], path: str | os.PathLike) -> None
   """
   columns = {name: [] for name in SCHEMA.names}
   for i, r in enumerate(requests):
+    if r.cand_groups is not None or r.group_dense is not None:
+      raise DataError(f"{path}: request {i} has groups (cand_groups, group_dense), which "
+                      "SCHEMA has no columns for: writing it would drop them")
     missing = [name for name in _REQUIRED if getattr(r, name) is None]
     if missing:
       raise DataError(f"{path}: request {i}: field {missing[0]} is None; nothing but labels "
@@ -78,7 +81,11 @@ def read_requests(path: str | os.PathLike, config: RankerConfig, *,
 
   Raises `DataError` naming the file, the first rows and the field that break
   the contract; labels may be absent only with `require_labels=False` (scoring).
+  The files hold no groups, so a `config` with a group level is refused.
   """
+  if config.has_groups:
+    raise DataError(f"{path}: request files have no group columns, and the model has a group "
+                    f"level (RankerConfig.group_dense={config.group_dense})")
   try:
     table = pq.read_table(path, page_checksum_verification=True)
     checksums = has_page_checksums(path)

@@ -24,6 +24,11 @@ class Request:
     cand_items: `int[n]` item ids of the candidates to score, `n >= 1`.
     cand_dense: `float[n, cand_dense]` candidate statistics.
     labels: optional `float[n]` clicks (training data).
+    cand_groups: `int[n]`, each candidate's group (ad group, campaign) as an
+      index into `group_dense`: required by a model with a group level
+      (`RankerConfig.group_dense > 0`), refused by one without.
+    group_dense: `float[g, group_dense]`, the request's groups' features,
+      `1 <= g <= n`; a group may have no candidates.
   """
 
   user_dense: np.ndarray
@@ -31,10 +36,18 @@ class Request:
   cand_items: np.ndarray
   cand_dense: np.ndarray
   labels: np.ndarray | None = None
+  cand_groups: np.ndarray | None = None
+  group_dense: np.ndarray | None = None
 
   @functools.cached_property  # asked several times per request on the serving path
   def num_candidates(self) -> int:
     return int(np.shape(self.cand_items)[0]) if np.ndim(self.cand_items) == 1 else 0
+
+  @property
+  def num_groups(self) -> int:
+    """The request's groups (0 without a group level)."""
+    return 0 if self.group_dense is None or np.ndim(self.group_dense) < 1 else int(
+        np.shape(self.group_dense)[0])
 
   def validated(self, config: RankerConfig) -> Request:
     """This request with canonical dtypes, or a `RequestError` naming what is wrong."""
@@ -49,7 +62,35 @@ class Request:
       raise RequestError("cand_items is empty: a request needs at least one candidate")
     cand_dense = _floats("cand_dense", self.cand_dense, (n, config.cand_dense))
     labels = None if self.labels is None else _floats("labels", self.labels, (n,))
-    return Request(user_dense, history, cand_items, cand_dense, labels)
+    cand_groups, group_dense = self._validated_groups(config, n)
+    return Request(user_dense, history, cand_items, cand_dense, labels, cand_groups,
+                   group_dense)
+
+  def _validated_groups(self, config: RankerConfig, n: int):
+    if not config.has_groups:
+      if self.cand_groups is not None or self.group_dense is not None:
+        raise RequestError("cand_groups and group_dense must be absent: the model has no group "
+                           "level (RankerConfig.group_dense=0)")
+      return None, None
+    for name in ("cand_groups", "group_dense"):
+      if getattr(self, name) is None:
+        raise RequestError(f"{name} is missing: the model has a group level "
+                           f"(group_dense={config.group_dense})")
+    dense = _array("group_dense", self.group_dense)
+    g = dense.shape[0] if dense.ndim == 2 else -1
+    if not 1 <= g <= n:
+      raise RequestError(f"group_dense must have shape [g, {config.group_dense}] with 1 <= g <= "
+                         f"{n} (the candidates), got {dense.shape}")
+    group_dense = _floats("group_dense", dense, (g, config.group_dense))
+    cand_groups = _array("cand_groups", self.cand_groups)
+    if cand_groups.shape != (n,) or cand_groups.dtype.kind not in "iu":
+      raise RequestError(f"cand_groups must be int[{n}] (one group per candidate), got "
+                         f"{cand_groups.dtype}{list(cand_groups.shape)}")
+    if cand_groups.min() < 0 or cand_groups.max() >= g:
+      bad = (cand_groups < 0) | (cand_groups >= g)
+      raise RequestError(f"cand_groups holds group indices {cand_groups[bad][:5].tolist()} out "
+                         f"of range: they index group_dense's {g} rows")
+    return cand_groups.astype(np.int32), group_dense
 
 
 def _array(name: str, value) -> np.ndarray:

@@ -9,7 +9,11 @@ on candidate `c` of user `u` happens with probability
             + 0.5 * popularity_c - 2)
 
 so affinity, recency of similar items and popularity all matter, and the
-history alone reveals the taste. Request `i` of a generator depends only on
+history alone reveals the taste. For a model with a group level
+(`RankerConfig.group_dense > 0`), a request's candidates fall into groups (ad
+groups: about one per four candidates, some empty), each with a hidden quality
+`q_g ~ N(0, 1)` that adds `1.5 q_g` to its candidates' logits and that the group's
+dense features are a noisy linear view of. Request `i` of a generator depends only on
 `(seed, i)`: a training run can resume, or be split, at any request.
 """
 
@@ -50,6 +54,7 @@ class ClickGenerator:
     self.popularity = rng.normal(size=config.num_items)
     self.user_view = rng.normal(size=(_LATENT, config.user_dense))
     self.cand_view = rng.normal(size=(_LATENT + 1, config.cand_dense))
+    self.group_view = rng.normal(size=(1, config.group_dense))
 
   def request(self, i: int) -> Request:
     """Request number `i` of this stream, with labels."""
@@ -71,13 +76,25 @@ class ClickGenerator:
     recent = self.item_latent[history[-_RECENT:]]
     recency = (z @ recent.T).max(axis=1) if length else np.zeros(n)
     logit = 2.0 * z @ taste + 1.5 * recency + 0.5 * self.popularity[cand_items] - 2.0
+    groups = self._groups(rng, n) if c.has_groups else {}
+    if groups:
+      logit = logit + 1.5 * groups.pop("quality")[groups["cand_groups"]]
     labels = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(np.float32)
     user_dense = taste @ self.user_view + 0.5 * rng.normal(size=c.user_dense)
     stats = np.concatenate([z, self.popularity[cand_items, None]], axis=1)
     cand_dense = stats @ self.cand_view + 0.5 * rng.normal(size=(n, c.cand_dense))
     return Request(user_dense=user_dense.astype(np.float32), history=history.astype(np.int32),
                    cand_items=cand_items.astype(np.int32),
-                   cand_dense=cand_dense.astype(np.float32), labels=labels)
+                   cand_dense=cand_dense.astype(np.float32), labels=labels, **groups)
+
+  def _groups(self, rng: np.random.Generator, n: int) -> dict:
+    """The request's groups: each candidate's, their qualities and dense features."""
+    g = int(rng.integers(1, max(1, n // 2) + 1))
+    quality = rng.normal(size=g)
+    dense = quality[:, None] @ self.group_view + 0.5 * rng.normal(
+        size=(g, self.config.group_dense))
+    return dict(cand_groups=rng.integers(0, g, size=n).astype(np.int32), quality=quality,
+                group_dense=dense.astype(np.float32))
 
   def requests(self, count: int, start: int = 0) -> list[Request]:
     """Requests `start, ..., start + count - 1`."""

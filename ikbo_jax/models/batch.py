@@ -6,6 +6,7 @@ import jax
 from flax import struct
 
 from ikbo_jax.index import CandidateIndex
+from ikbo_jax.two_level_index import TwoLevelIndex
 
 
 @struct.dataclass
@@ -27,6 +28,10 @@ class RankingBatch:
     cand_items: `int32[B]` candidate item ids.
     cand_dense: `float[B, cand_dense]` candidate statistics.
     labels: `float[B]` clicks (training; zeros when serving).
+    item_to_group: `int32[B]` each candidate's group slot (`G`: padding), or
+      None for a model without a group level.
+    group_to_user: `int32[G]` each group slot's user slot (`U`: padding).
+    group_dense: `float[G, group_dense]` the groups' features.
   """
 
   user_dense: jax.Array
@@ -36,6 +41,9 @@ class RankingBatch:
   cand_items: jax.Array
   cand_dense: jax.Array
   labels: jax.Array
+  item_to_group: jax.Array | None = None
+  group_to_user: jax.Array | None = None
+  group_dense: jax.Array | None = None
 
   @property
   def num_users(self) -> int:
@@ -48,6 +56,17 @@ class RankingBatch:
   def index(self) -> CandidateIndex:
     """The candidate -> user mapping (derived once per step, shared by every layer)."""
     return CandidateIndex.from_mapping(self.cand_to_user, self.num_users)
+
+  @property
+  def has_groups(self) -> bool:
+    return self.item_to_group is not None
+
+  def two_level_index(self) -> TwoLevelIndex:
+    """Candidates -> groups -> users, for a batch with a group level."""
+    if not self.has_groups:
+      raise ValueError("this batch has no group level (item_to_group is None): it was packed "
+                       "for a model with RankerConfig.group_dense=0")
+    return TwoLevelIndex.from_mappings(self.item_to_group, self.group_to_user, self.num_users)
 
   def candidate_mask(self) -> jax.Array:
     """`bool[B]`: which candidate slots hold a real candidate."""

@@ -14,7 +14,11 @@ projected dense features on both sides, self-attention over the history
 whose keys and values the candidates' query tokens also attend to
 (`UserSequenceBlock`), a pooled history, linear compression of the stacked
 user and candidate embeddings (`LinearCompression`) and an MLP tower to one
-click logit per candidate.
+click logit per candidate. With a group level (`RankerConfig.group_dense > 0`),
+each candidate belongs to a group of its request (an ad group, a campaign): the
+group's projected features join the stack between the user's and the
+candidate's, computed once per group (`TwoLevelLinearCompression`) in the IKBO
+build and copied to the candidates in the standard one.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from flax import nnx, struct
 from ikbo_jax.index import CandidateIndex
 from ikbo_jax.models.batch import RankingBatch
 from ikbo_jax.models.config import RankerConfig
-from ikbo_jax.nn import LinearCompression, UserSequenceBlock
+from ikbo_jax.nn import LinearCompression, TwoLevelLinearCompression, UserSequenceBlock
 from ikbo_jax.ops.marked_attention import attention as marked_attention
 from ikbo_jax.ops.target_attention import target_attention
 
@@ -83,8 +87,13 @@ class Ranker(nnx.Module):
     self.queries = linear(c.embed_dim, c.query_tokens * c.embed_dim)
     self.sequence = UserSequenceBlock(c.num_heads, c.embed_dim, causal=c.causal, dtype=dtype,
                                       rngs=rngs)
-    self.compress = LinearCompression(c.user_tokens, c.cand_tokens, c.compressed, dtype=dtype,
-                                      rngs=rngs)
+    if c.has_groups:
+      self.group_dense = linear(c.group_dense, c.group_dense_tokens * c.embed_dim)
+      self.compress = TwoLevelLinearCompression(c.user_tokens, c.group_tokens, c.cand_tokens,
+                                                c.compressed, dtype=dtype, rngs=rngs)
+    else:
+      self.compress = LinearCompression(c.user_tokens, c.cand_tokens, c.compressed, dtype=dtype,
+                                        rngs=rngs)
     sizes = (c.compressed * c.embed_dim, *c.tower)
     # Each hidden layer is normalized before its activation: Adam moves every weight of a
     # layer by about the learning rate at once, so a layer over the wide compressed input
@@ -105,6 +114,10 @@ class Ranker(nnx.Module):
     pooled = _masked_mean(seq + new_seq, batch.history_len)
     e_user = jnp.concatenate([user_tokens, pooled[:, None]], axis=1)
     e_cand = jnp.concatenate([item[:, None], cand_tokens, cand_repr], axis=1)
+    if self.config.has_groups:
+      _require_groups(batch)
+      e_group = self._group_embeddings(batch.group_dense)  # batch G
+      return self._logits(self.compress(e_user, e_group, e_cand, batch.two_level_index()))
     return self._logits(self.compress(e_user, e_cand, index))
 
   def user_state(self, history: jax.Array, user_dense: jax.Array,
@@ -114,8 +127,10 @@ class Ranker(nnx.Module):
     With `score_candidates`, the IKBO build in two parts, so that a user's
     state can be kept and read by later requests. The self-attention runs on
     its own here (the IKBO build fuses it with the candidates' attention), so
-    the two parts match `__call__` to rounding, not bit for bit.
+    the two parts match `__call__` to rounding, not bit for bit. A model with a
+    group level has no such split yet: this raises a `ValueError`.
     """
+    _no_group_level(self.config, "user_state")
     seq, user_tokens = self._user_embeddings(history, user_dense)
     k, v, pooled = self._self_attended(seq, history_len)
     return UserState(keys=k, values=v, history_len=history_len,
@@ -126,7 +141,9 @@ class Ranker(nnx.Module):
     """The candidate side: `float32[B]` logits of candidates read against `state` by index.
 
     `index` maps each candidate to a row of `state` (`num_users` = its rows).
+    A model with a group level raises a `ValueError` (see `user_state`).
     """
+    _no_group_level(self.config, "score_candidates")
     item, cand_tokens, queries = self._candidate_embeddings(cand_items, cand_dense)
     block = self.sequence
     attended = target_attention(block.cand_query(queries), state.keys, state.values, index,
@@ -145,10 +162,18 @@ class Ranker(nnx.Module):
     block = self.sequence
     cand_repr = block.cand_out(_attention(block.cand_query(queries), k, v, history_len,
                                           causal=False))
-    stack = jnp.concatenate([user_tokens, pooled[:, None], item[:, None], cand_tokens,
-                             cand_repr], axis=1)
-    # `nnx.Linear(K_user + K_cand -> M)` over the stacking axis, with the joint weight.
-    weight = jnp.concatenate([self.compress.w_user[...], self.compress.w_cand[...]], axis=1)
+    group_tokens, weights = [], [self.compress.w_user[...]]
+    if self.config.has_groups:
+      _require_groups(batch)
+      group_ids = jnp.clip(batch.item_to_group, 0, batch.group_to_user.shape[0] - 1)
+      group_tokens = [self._group_embeddings(jnp.take(batch.group_dense, group_ids, axis=0))]
+      weights += [self.compress.w_group[...], self.compress.w_item[...]]
+    else:
+      weights.append(self.compress.w_cand[...])
+    stack = jnp.concatenate([user_tokens, pooled[:, None], *group_tokens, item[:, None],
+                             cand_tokens, cand_repr], axis=1)
+    # `nnx.Linear(K_user [+ K_group] + K_cand -> M)` over the stacking axis, one joint weight.
+    weight = jnp.concatenate(weights, axis=1)
     return self._logits(jnp.einsum("mk,bkn->bmn", weight.astype(stack.dtype), stack))
 
   def _self_attended(self, seq, history_len):
@@ -164,6 +189,10 @@ class Ranker(nnx.Module):
     tokens = self.user_dense(user_dense).reshape(-1, c.user_dense_tokens, c.embed_dim)
     return self.items(history), tokens
 
+  def _group_embeddings(self, group_dense):
+    c = self.config
+    return self.group_dense(group_dense).reshape(-1, c.group_dense_tokens, c.embed_dim)
+
   def _candidate_embeddings(self, cand_items, cand_dense):
     c = self.config
     item = self.items(cand_items)
@@ -173,6 +202,20 @@ class Ranker(nnx.Module):
 
   def _logits(self, compressed: jax.Array) -> jax.Array:
     return self.tower(compressed.reshape(compressed.shape[0], -1))[:, 0].astype(jnp.float32)
+
+
+def _require_groups(batch: RankingBatch) -> None:
+  if not batch.has_groups:
+    raise ValueError("the model has a group level (RankerConfig.group_dense > 0) but the batch "
+                     "has none: pack it with this config (item_to_group, group_to_user and "
+                     "group_dense are None)")
+
+
+def _no_group_level(config: RankerConfig, method: str) -> None:
+  if config.has_groups:
+    raise ValueError(f"Ranker.{method} splits the one-level model only; this model has a group "
+                     f"level (group_dense={config.group_dense}): score whole batches with "
+                     "Ranker.__call__")
 
 
 def _masked_mean(x: jax.Array, length: jax.Array) -> jax.Array:

@@ -111,6 +111,10 @@ class BucketedModel:
                on_compiled: Callable[[Bucket, float], None] | None = None):
     build = Build.parse(build)
     config = model.config
+    if config.has_groups:
+      raise ValueError(f"serving takes models without a group level; this one has one "
+                       f"(RankerConfig.group_dense={config.group_dense}): its buckets would need "
+                       "group slots, which the serving path does not pack yet")
     self.config, self.build = config, build
     self.buckets = checked_buckets(buckets, config)
     self.max_abs_feature = max_abs_dense_feature(model)  # the batcher refuses larger features

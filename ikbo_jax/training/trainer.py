@@ -50,6 +50,8 @@ class TrainConfig:
     build: which forward pass trains (`Build`, or its name); same parameters either way.
     max_skipped_steps: steps with a non-finite loss or gradient skipped (not applied)
       before the run stops with `Divergence`.
+    num_groups: group slots per step for a model with a group level (default
+      `num_candidates`, which every step's groups fit).
   """
 
   num_users: int = 16
@@ -59,12 +61,16 @@ class TrainConfig:
   weight_decay: float = 1e-4
   build: Build = Build.IKBO
   max_skipped_steps: int = 0
+  num_groups: int | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "build", Build.parse(self.build))
     for name in ("num_users", "num_candidates", "steps"):
       if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
         raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+    if self.num_groups is not None and not (isinstance(self.num_groups, int)
+                                            and self.num_groups > 0):
+      raise ValueError(f"num_groups must be a positive int or None, got {self.num_groups!r}")
     if not (isinstance(self.max_skipped_steps, int) and self.max_skipped_steps >= 0):
       raise ValueError(f"max_skipped_steps must be an int >= 0, got {self.max_skipped_steps!r}")
 
@@ -129,7 +135,8 @@ class Trainer:
   def next_batch(self) -> tuple[RankingBatch, int]:
     """The next step's batch from the cursor on, and how many candidates it holds."""
     t = self.train_config
-    taken, total = [], 0
+    taken, total, groups = [], 0, 0
+    group_slots = t.num_groups or t.num_candidates
     while len(taken) < t.num_users:
       try:
         request = self.source(self.cursor + len(taken)).validated(self.model_config)
@@ -138,13 +145,18 @@ class Trainer:
       if request.num_candidates > t.num_candidates:
         raise RequestError(f"request {self.cursor + len(taken)} has {request.num_candidates} "
                            f"candidates; a step holds num_candidates={t.num_candidates}")
-      if total + request.num_candidates > t.num_candidates:
+      if request.num_groups > group_slots:
+        raise RequestError(f"request {self.cursor + len(taken)} has {request.num_groups} "
+                           f"groups; a step holds num_groups={group_slots}")
+      if (total + request.num_candidates > t.num_candidates
+          or groups + request.num_groups > group_slots):
         break
       taken.append(request)
       total += request.num_candidates
+      groups += request.num_groups
     self.cursor += len(taken)
     batch = pack_requests(taken, self.model_config, num_users=t.num_users,
-                          num_candidates=t.num_candidates)
+                          num_candidates=t.num_candidates, num_groups=t.num_groups)
     return batch, total
 
   def step(self) -> float:
@@ -224,9 +236,9 @@ class Trainer:
       chunk = requests[start:start + t.num_users]
       # One request per slot may still overflow the candidate slots: pack what fits.
       while chunk:
-        fit = _fitting_prefix(chunk, t.num_candidates)
+        fit = _fitting_prefix(chunk, t.num_candidates, t.num_groups)
         batch = pack_requests(chunk[:fit], self.model_config, num_users=t.num_users,
-                              num_candidates=t.num_candidates)
+                              num_candidates=t.num_candidates, num_groups=t.num_groups)
         n = int(np.sum(batch.candidate_mask()))
         preds.append(np.asarray(_eval_step(self.model, batch, t.build))[:n])
         labels.append(batch.labels[:n])
@@ -346,10 +358,15 @@ def describe_save(saved: tuple[int, str] | None) -> str:
   return "none" if saved is None else f"step {saved[0]} under {saved[1]}"
 
 
-def _fitting_prefix(requests: list[Request], num_candidates: int) -> int:
+def _fitting_prefix(requests: list[Request], num_candidates: int,
+                    num_groups: int | None = None) -> int:
+  """How many of `requests`, from the first, fit one batch's candidate (and group) slots."""
   total = np.cumsum([r.num_candidates for r in requests])
   fit = int(np.searchsorted(total, num_candidates, side="right"))
+  groups = np.cumsum([r.num_groups for r in requests])
+  fit = min(fit, int(np.searchsorted(groups, num_groups or num_candidates, side="right")))
   if fit == 0:
-    raise RequestError(f"a request has {requests[0].num_candidates} candidates; a batch holds "
-                       f"num_candidates={num_candidates}")
+    raise RequestError(f"a request has {requests[0].num_candidates} candidates and "
+                       f"{requests[0].num_groups} groups; a batch holds num_candidates="
+                       f"{num_candidates} and num_groups={num_groups or num_candidates}")
   return fit
