@@ -16,7 +16,8 @@
 # "cache_soak" (tools/cache_soak.py for SOAK_MINUTES),
 # "overload" (the serving ladder REPEATS times, default 3, then 3x the sustained rates over HTTP:
 # refusals, resets, p99),
-# "two_level" (the two-level sweep cases, then benchmarks/two_level.py),
+# "two_level" (benchmarks/two_level.py, then the two-level sweep cases),
+# "ranker_groups" (the ranker with a group level, IKBO vs standard build: inference and training),
 # "rewrite" (original vs rewritten vs hand-written IKBO code), "fuzz" (the rewrite's property test
 # on the host's CPUs), "rewrite_tests" (the rewrite's tests on the GPU),
 # "backward" (the Mosaic GPU attention backward's GPU tests and regression tests, then the
@@ -210,6 +211,11 @@ if has two_level; then
     python3 -m pytest -q -s -p no:cacheprovider -m gpu --tb=line tests/test_gpu_sweep.py \
     tests/test_two_level.py tests/test_two_level_attention.py -k two_level 2>&1 \
     | tee "$OUT/two_level_tests.log" | grep -E "FAIL |^FAILED|passed|failed" | cut -c1-400
+fi
+if has ranker_groups; then
+  timeout "${GROUPS_TIMEOUT:-300}" python3 -m benchmarks.ranking_system --parts inference training \
+    --items-per-group "${ITEMS_PER_GROUP:-8}" --sizes 1024 4096 --ratios 70 500 \
+    --out "$OUT/ranking_groups_${TAG}.json" 2>&1 | grep -v Warning | cut -c1-400 | tail -n 8
 fi
 if has rewrite; then
   timeout 300 python3 -m benchmarks.rewrite --out "$OUT/rewrite_${TAG}.json" 2>&1 \

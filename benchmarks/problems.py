@@ -45,18 +45,34 @@ def self_target_inputs(shape, seq_len, dtype):
 
 
 def ranking_batch(config: RankerConfig, num_users: int, num_candidates: int,
-                  seed: int = 0) -> RankingBatch:
-  """Users with histories of S/2..S items and candidates split evenly between them."""
+                  seed: int = 0, items_per_group: int = 8) -> RankingBatch:
+  """Users with histories of S/2..S items and candidates split evenly between them.
+
+  With a group level, each user's candidates are split evenly into groups of
+  about `items_per_group` (at least one group per user).
+  """
   rng = np.random.default_rng(seed)
   s = config.max_history
+  cand_to_user = np.sort(np.arange(num_candidates) % num_users).astype(np.int32)
+  groups = {}
+  if config.has_groups:
+    per_user = max(1, round(num_candidates / num_users / items_per_group))
+    counts = np.bincount(cand_to_user, minlength=num_users)
+    rank = np.arange(num_candidates) - np.concatenate([[0], np.cumsum(counts)])[cand_to_user]
+    groups = dict(
+        item_to_group=(cand_to_user * per_user + rank * per_user // counts[cand_to_user]
+                       ).astype(np.int32),
+        group_to_user=np.repeat(np.arange(num_users), per_user).astype(np.int32),
+        group_dense=rng.normal(size=(num_users * per_user, config.group_dense)
+                               ).astype(np.float32))
   return RankingBatch(
       user_dense=rng.normal(size=(num_users, config.user_dense)).astype(np.float32),
       history=rng.integers(0, config.num_items, (num_users, s), dtype=np.int32),
       history_len=rng.integers(s // 2, s + 1, num_users, dtype=np.int32),
-      cand_to_user=np.sort(np.arange(num_candidates) % num_users).astype(np.int32),
+      cand_to_user=cand_to_user,
       cand_items=rng.integers(0, config.num_items, num_candidates, dtype=np.int32),
       cand_dense=rng.normal(size=(num_candidates, config.cand_dense)).astype(np.float32),
-      labels=(rng.random(num_candidates) < 0.3).astype(np.float32))
+      labels=(rng.random(num_candidates) < 0.3).astype(np.float32), **groups)
 
 
 def cudnn(q, k, v, causal=False):

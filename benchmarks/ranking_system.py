@@ -26,6 +26,12 @@ Each measurement for both builds in the same run:
    drain time.
 Times are medians (CUPTI kernel time on a GPU, wall clock elsewhere; serving is
 wall clock, end to end, apart from its device times).
+
+`--items-per-group N` gives the model a group level (ad groups of about N
+candidates each, with their own features: `RankerConfig.with_groups`); the
+inference and training parts then compare its IKBO build (the group part of
+linear compression once per group) with its standard build (groups copied to
+the candidates). The serving parts take models without one.
 """
 
 from __future__ import annotations
@@ -53,11 +59,12 @@ def _forward(build):
   return nnx.jit(lambda model, batch: model(batch) if build == "ikbo" else model.standard(batch))
 
 
-def inference(model, config, sizes, ratios, iterations) -> dict:
+def inference(model, config, sizes, ratios, iterations, items_per_group=8) -> dict:
   rows = {}
   for b in sizes:
     for ratio in ratios:
-      batch = jax.device_put(ranking_batch(config, max(1, round(b / ratio)), b))
+      batch = jax.device_put(ranking_batch(config, max(1, round(b / ratio)), b,
+                                           items_per_group=items_per_group))
       row = {}
       for build in BUILDS:
         try:
@@ -67,7 +74,9 @@ def inference(model, config, sizes, ratios, iterations) -> dict:
           row[build] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
       if "ms" in row["ikbo"] and "ms" in row["standard"]:
         row["speedup"] = row["standard"]["ms"] / row["ikbo"]["ms"]
-      rows[f"B{b}_ratio{ratio}"] = dict(num_candidates=b, num_users=batch.num_users, **row)
+      groups = dict(num_groups=batch.group_to_user.shape[0]) if batch.has_groups else {}
+      rows[f"B{b}_ratio{ratio}"] = dict(num_candidates=b, num_users=batch.num_users, **groups,
+                                        **row)
       print(f"inference B={b} ratio={ratio}: {row}", flush=True)
   return rows
 
@@ -85,9 +94,12 @@ def _functional_step(graphdef, build):
   return step
 
 
-def training(config, b, ratio, iterations) -> dict:
-  batch = jax.device_put(ranking_batch(config, max(1, round(b / ratio)), b, seed=1))
+def training(config, b, ratio, iterations, items_per_group=8) -> dict:
+  batch = jax.device_put(ranking_batch(config, max(1, round(b / ratio)), b, seed=1,
+                                       items_per_group=items_per_group))
   row = dict(num_candidates=b, num_users=batch.num_users)
+  if batch.has_groups:
+    row["num_groups"] = batch.group_to_user.shape[0]
   for build in BUILDS:
     model = Ranker(config, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
@@ -137,6 +149,9 @@ def main() -> None:
                            "server's fast path)")
   parser.add_argument("--client-processes", type=int,
                       help="overload: load generator processes (default 4, --small 1)")
+  parser.add_argument("--items-per-group", type=int,
+                      help="give the model a group level, groups of about this many candidates "
+                           "(inference and training parts only)")
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
   if args.small:
@@ -150,6 +165,11 @@ def main() -> None:
   sizes, ratios, rates = args.sizes or sizes, args.ratios or ratios, args.rates or rates
   mean = args.mean_candidates or mean
   budget_ms = args.budget_ms or (100.0 if args.small else 20.0)
+  per_group = args.items_per_group
+  if per_group:
+    if set(args.parts) - {"inference", "training"}:
+      parser.error("--items-per-group takes the inference and training parts only")
+    config = config.with_groups(8, 2) if args.small else config.with_groups(64, 16)
   model = Ranker(config, rngs=nnx.Rngs(0))
   payload = dict(**common.metadata(), config=str(config), iterations=args.iterations)
 
@@ -159,9 +179,10 @@ def main() -> None:
     common.write_json(args.out, payload)
 
   if "inference" in args.parts:
-    record("inference", inference(model, config, sizes, ratios, args.iterations))
+    record("inference", inference(model, config, sizes, ratios, args.iterations,
+                                  per_group or 8))
   if "training" in args.parts:
-    record("training", training(config, *train_at, args.iterations))
+    record("training", training(config, *train_at, args.iterations, per_group or 8))
   if "checkpoint" in args.parts:
     record("checkpoint", checkpoint_cost(config, *train_at, small=args.small))
   if {"serving", "cache"} & set(args.parts):
