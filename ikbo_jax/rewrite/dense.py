@@ -18,7 +18,9 @@ from jax.extend.core import primitives as P
 
 from ikbo_jax import _dispatch
 from ikbo_jax.index import CandidateIndex
+from ikbo_jax.two_level_index import TwoLevelIndex
 from ikbo_jax.ops.linear_compression import linear_compression
+from ikbo_jax.ops.two_level_linear_compression import two_level_linear_compression
 from ikbo_jax.rewrite import read_rows
 from ikbo_jax.rewrite.report import FORWARD_MODE, Decline
 from ikbo_jax.rewrite.rules import parts_sizes
@@ -65,13 +67,14 @@ def dot_general(rw, eqn, operands):
 
 
 def split_dense(rw, eqn, lhs, rhs):
-  """A dense layer on `concat([user[ids], cand], k)`: the user half runs at U.
+  """A dense layer on `concat([user[ids], cand], k)`: the user part runs at U.
 
-  With a 3-D stack concatenated and contracted on axis 1 against a matrix,
-  this is linear compression and runs as the IKBO op; otherwise the weight is
-  split by the concatenation and the user product is added by index.
+  The weight is split by the concatenation; each level's product (the
+  broadcasts by one index, user or group rows) runs at its own batch and is
+  added by index. With a 3-D stack concatenated and contracted on axis 1
+  against a matrix, this is linear compression and runs as the IKBO op, the
+  two-level one for user and group parts of one nested gather.
   """
-
   stack, weight, stack_is_lhs = (lhs, rhs, True) if isinstance(lhs, Concat) else (rhs, lhs, False)
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
   s_contract, w_contract = (lc, rc) if stack_is_lhs else (rc, lc)
@@ -85,34 +88,76 @@ def split_dense(rw, eqn, lhs, rhs):
   starts = np.concatenate([[0], np.cumsum(parts_sizes(stack))])
   w_slice = lambda i: jax.lax.slice_in_dim(weight.value, int(starts[i]), int(starts[i + 1]),
                                            axis=w_axis)
-  user_idx = [i for i, p in enumerate(stack.parts) if isinstance(p, Broadcast)]
+  levels = _levels(stack)
+  join = lambda idx, get, axis: _concat([get(i) for i in idx], axis)
+  e_levels = [(stack.parts[idx[0]], join(idx, lambda i: stack.parts[i].user, stack.dimension),
+               join(idx, w_slice, w_axis)) for idx in levels]
   cand_idx = [i for i, p in enumerate(stack.parts) if not isinstance(p, Broadcast)]
-  e_user = _concat([stack.parts[i].user for i in user_idx], stack.dimension)
-  w_user = _concat([w_slice(i) for i in user_idx], w_axis)
-  e_cand = _concat([materialize(stack.parts[i]) for i in cand_idx], stack.dimension)
-  w_cand = _concat([w_slice(i) for i in cand_idx], w_axis)
-  num_users = stack.parts[user_idx[0]].num_users
+  cand = None
+  if cand_idx:
+    cand = (join(cand_idx, lambda i: materialize(stack.parts[i]), stack.dimension),
+            join(cand_idx, w_slice, w_axis))
   out_aval = eqn.outvars[0].aval
-  if (np.ndim(e_cand) == 3 and stack.dimension == 1 and np.ndim(weight.value) == 2
-      and s_contract == (1,)):
-    as_mk = (lambda w: w) if w_axis == 1 else (lambda w: w.T)
-    dtype = e_cand.dtype
-    out = linear_compression(as_mk(w_user).astype(dtype), as_mk(w_cand).astype(dtype),
-                             e_user.astype(dtype), e_cand,
-                             CandidateIndex.from_mapping(stack.ids, num_users))  # [B, M, N]
-    out = jnp.transpose(out, (0, 2, 1) if stack_is_lhs else (1, 0, 2))
-    rw.report.add("linear_compression", eqn)
-    return [Plain(out.astype(out_aval.dtype), True)]
+  if (cand is not None and np.ndim(cand[0]) == 3 and stack.dimension == 1
+      and np.ndim(weight.value) == 2 and s_contract == (1,)):
+    out = _compression(e_levels, cand, w_axis)  # [B, M, N]
+    if out is not None:
+      out = jnp.transpose(out, (0, 2, 1) if stack_is_lhs else (1, 0, 2))
+      rw.report.add("linear_compression" if len(e_levels) == 1
+                    else "two_level_linear_compression", eqn)
+      return [Plain(out.astype(out_aval.dtype), True)]
   bind = lambda s, w: eqn.primitive.bind(*((s, w) if stack_is_lhs else (w, s)), **eqn.params)
-  lead = stack.parts[user_idx[0]]
-  user_part = read_rows.bind(eqn, bind, [e_user, w_user], [lead.axis, None],  # at U
-                             lead.rows)
   # Where the stack's rows land in the product: first when it is the left operand, else
   # after the weight's free axes.
   axis = 0 if stack_is_lhs else np.ndim(weight.value) - len(w_contract)
-  out = jnp.take(user_part, stack.ids, axis=axis, mode="clip") + bind(e_cand, w_cand)
+  out = None if cand is None else bind(*cand)
+  for lead, e_user, w_user in e_levels:
+    user_part = read_rows.bind(eqn, bind, [e_user, w_user], [lead.axis, None], lead.rows)  # at U
+    gathered = jnp.take(user_part, lead.ids, axis=axis, mode="clip")
+    out = gathered if out is None else out + gathered
   rw.report.add("split_dense", eqn)
   return [Plain(out.astype(out_aval.dtype), True)]
+
+
+def _levels(stack: Concat) -> list[list[int]]:
+  """The stack's broadcast parts grouped by index (by identity), in order of appearance."""
+  levels = {}
+  for i, part in enumerate(stack.parts):
+    if isinstance(part, Broadcast):
+      levels.setdefault(id(part.ids), []).append(i)
+  return list(levels.values())
+
+
+def _compression(e_levels, cand, w_axis):
+  """Linear compression of one level (or of user and group levels) and the candidates, or None.
+
+  Two levels are one nested gather's when the user level's ids are
+  `group_to_user[item_to_group]` and the group level's are that `item_to_group`
+  over as many group rows: then the two-level op computes the same sums.
+  """
+  as_mk = (lambda w: w) if w_axis == 1 else (lambda w: w.T)
+  e_cand, w_cand = cand
+  dtype = e_cand.dtype
+  weights = lambda level: as_mk(level[2]).astype(dtype)
+  if len(e_levels) == 1:
+    (lead, e_user, _), = e_levels
+    return linear_compression(weights(e_levels[0]), as_mk(w_cand).astype(dtype),
+                              e_user.astype(dtype), e_cand,
+                              CandidateIndex.from_mapping(lead.ids, lead.num_users))
+  if len(e_levels) != 2:
+    return None
+  user, group = sorted(e_levels, key=lambda level: level[0].levels is None)
+  if user[0].levels is None or group[0].levels is not None:
+    return None
+  item_to_group, group_to_user = user[0].levels
+  if group[0].ids is not item_to_group or group[1].shape[0] != group_to_user.shape[0]:
+    return None
+  index = TwoLevelIndex(CandidateIndex(item_to_group, group_to_user.shape[0]),
+                        CandidateIndex(group_to_user, user[0].num_users),
+                        CandidateIndex(user[0].ids, user[0].num_users))
+  return two_level_linear_compression(weights(user), weights(group), as_mk(w_cand).astype(dtype),
+                                      user[1].astype(dtype), group[1].astype(dtype), e_cand,
+                                      index)
 
 
 def block_product(rw, eqn, lhs: Concat, rhs: Concat):
@@ -126,6 +171,8 @@ def block_product(rw, eqn, lhs: Concat, rhs: Concat):
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
   if lhs.ids is not rhs.ids or lb[:1] != (0,) or rb[:1] != (0,):
     raise Decline("the two concatenations are not batched over the same candidates")
+  if not (lhs.uniform and rhs.uniform):
+    raise Decline("a concatenation holds broadcasts by different indices")
   if lhs.dimension in lc + lb or rhs.dimension in rc + rb:
     raise Decline("a concatenation axis is contracted or batched")
   bind = lambda a, b: eqn.primitive.bind(a, b, **eqn.params)

@@ -45,6 +45,8 @@ def gather(rw, eqn, operands):
   operand, indices = operands
   if isinstance(indices, Broadcast):
     return _lookup_of_broadcast_ids(rw, eqn, operand, indices)
+  if isinstance(operand, Broadcast) and isinstance(indices, Plain):
+    return _gather_of_broadcast(rw, eqn, operand, indices)
   if not (isinstance(operand, Plain) and isinstance(indices, Plain)) or operand.at_b:
     return None
   if not (operand.at_u or indices.mapped):  # an embedding lookup by candidate ids stays one
@@ -62,6 +64,35 @@ def gather(rw, eqn, operands):
                           *_extra_rows(eqn, value, mode)])
   rw.report.add("broadcast", eqn, bytes_saved=nbytes(eqn.outvars[0].aval))
   return [Broadcast(user, ids, 0, rows)]
+
+
+def _gather_of_broadcast(rw, eqn, inner: Broadcast, indices: Plain):
+  """`take(user, ids)[i]` is `take(user, ids[i])`: a gather of broadcast rows, one broadcast.
+
+  The rows that out-of-range `i` read under the outer gather's mode are built
+  from the inner broadcast's first and last rows and appended to the user
+  rows, so `ids[i]` becomes `group_to_user[item_to_group]` over the extended
+  rows: `item_to_group` is exactly what a gather of group rows by `i` would
+  use (the same memoized index), which lets a dense layer run the user part at
+  U and the group part at G (`dense.split_dense`).
+  """
+  num_groups = inner.ids.shape[0]
+  keeps_axis = _reads_whole_rows(eqn, np.shape(indices.value), inner.shape)
+  if inner.axis != 0 or keeps_axis is None or num_groups == 0:
+    return None
+  mode = eqn.params["mode"] if not _within(indices, num_groups) else GatherScatterMode.CLIP
+  item_to_group, _ = rw.memo(("rows", num_groups, mode), indices.value,
+                             lambda i: _exact_ids(i[:, 0], num_groups, mode))
+  edges = jnp.take(inner.user, inner.ids[jnp.array([0, num_groups - 1])], axis=0)
+  extra = _extra_rows(eqn, edges, mode)  # the group rows out-of-range ids read
+  group_to_user = rw.memo(("group_to_user", inner.num_users, len(extra)), inner.ids,
+                          lambda g: jnp.concatenate([g, inner.num_users + jnp.arange(
+                              len(extra), dtype=jnp.int32)]))
+  user = jnp.concatenate([inner.user[:, None] if keeps_axis else inner.user, *extra])
+  ids = rw.memo(("composed", id(group_to_user)), item_to_group, lambda i: group_to_user[i])
+  rw.report.add("broadcast", eqn, bytes_saved=nbytes(eqn.outvars[0].aval))
+  return [Broadcast(user, ids, 0, _read_rows(ids, user.shape[0]),
+                    (item_to_group, group_to_user))]
 
 
 def _reads_whole_rows(eqn, indices_shape, value_shape) -> bool | None:
@@ -103,10 +134,15 @@ def _exact_ids(ids, num_users: int, mode):
   else:  # promise in bounds: XLA clamps the read
     ids = jnp.where(ids < 0, num_users, jnp.where(ids >= num_users, num_users + 1, ids))
     num_rows = num_users + 2
+  return ids, _read_rows(ids, num_rows)
+
+
+def _read_rows(ids, num_rows: int):
+  """`int[num_rows]`: each row itself if some of `ids` (all in range) reads it, else `ids[0]`'s."""
   if ids.shape[0] == 0:
-    return ids, jnp.arange(num_rows, dtype=jnp.int32)
+    return jnp.arange(num_rows, dtype=jnp.int32)
   read = jnp.zeros((num_rows,), jnp.bool_).at[ids].set(True, unique_indices=False)
-  return ids, jnp.where(read, jnp.arange(num_rows, dtype=jnp.int32), ids[0])
+  return jnp.where(read, jnp.arange(num_rows, dtype=jnp.int32), ids[0])
 
 
 def _extra_rows(eqn, value, mode) -> list:

@@ -21,8 +21,9 @@ class Change:
 
   `kind` is one of: "broadcast" (a gather of user rows, kept lazy; its copy's
   bytes count as saved), "at_users" (an op run at batch U instead of B),
-  "linear_compression", "split_dense" (a dense layer on a concat, user half at
-  U), "block_product" (a product of two concats, user-user block at U),
+  "linear_compression", "two_level_linear_compression" (user and group parts
+  of a nested gather, each at its own batch), "split_dense" (a dense layer on
+  a concat, each broadcast level's part at its own batch), "block_product" (a product of two concats, user-user block at U),
   "target_attention", "entered" (a custom derivative rule, `checkpoint` or
   `cond` rewritten inside with its semantics kept), "materialized" (a
   broadcast made real because a consumer needs it; its bytes count against,

@@ -274,9 +274,9 @@ def concatenate(rw, eqn, operands):
       return [lead.like(out)]
   if lead.axis != 0 or dim == 0:
     raise Decline("it concatenates along the candidate axis")
-  for v in operands:
-    if isinstance(v, Broadcast) and (v.ids is not lead.ids or v.axis != 0):
-      raise Decline("it concatenates broadcasts by different indices")
+  for v in operands:  # broadcasts by other indices too: a dense layer splits by level
+    if isinstance(v, Broadcast) and v.axis != 0:
+      raise Decline("it concatenates broadcasts along different axes")
     if isinstance(v, Concat):
       raise Decline("it concatenates a concatenation")
   return [Concat(tuple(operands), lead.ids, dim)]

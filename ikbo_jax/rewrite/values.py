@@ -18,6 +18,11 @@ Every jaxpr variable is interpreted as one of:
 * `Concat`: a concatenation along a feature axis of broadcasts and other
   values, kept apart for a dense layer that follows it.
 
+A gather of a broadcast's rows is a broadcast too, `take(take(user, ids), i)
+= take(user, ids[i])` (two nested levels: items -> groups -> users); it
+remembers both levels (`Broadcast.levels`) so that a dense layer over user,
+group and item features can run each part at its own batch.
+
 Every value type is a pytree whose leaves are its arrays, so that nested
 functions (custom derivative rules, `cond` branches, `checkpoint` bodies) can
 take lazy values apart and rebuild them on their own tracers (`closure.py`).
@@ -47,18 +52,23 @@ class Plain:
   bounds: tuple[int, int] | None = None  # static [lo, hi] of an integer value, where known
 
 
-@_pytree(data=("user", "ids", "rows"), meta=("axis",))
+@_pytree(data=("user", "ids", "rows", "levels"), meta=("axis",))
 class Broadcast:
   """`take(user, ids, axis, mode="clip")`: user rows at B; `user.shape[axis]` is U.
 
   `rows`, where set, is `int[U]`: for each user row, itself if some candidate
   reads it, else a row some candidate reads (see `read_rows.py`).
+  `levels`, where set, is `(item_to_group, group_to_user)` with `ids =
+  group_to_user[item_to_group]` (both in range): the broadcast is a gather of
+  a gather, and `item_to_group` is the ids of the broadcasts by the same outer
+  gather of group rows.
   """
 
   user: jax.Array
   ids: jax.Array  # int[B]
   axis: int = 0
   rows: jax.Array | None = None
+  levels: tuple[jax.Array, jax.Array] | None = None
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -74,7 +84,7 @@ class Broadcast:
     return jnp.take(self.user, self.ids, axis=self.axis, mode="clip")
 
   def like(self, user: jax.Array, axis: int | None = None) -> Broadcast:
-    return Broadcast(user, self.ids, self.axis if axis is None else axis, self.rows)
+    return Broadcast(user, self.ids, self.axis if axis is None else axis, self.rows, self.levels)
 
   def at_read_rows(self) -> Broadcast:
     """The same broadcast with every unread user row replaced by a read one."""
@@ -123,6 +133,11 @@ class Concat:
 
   def materialize(self) -> jax.Array:
     return jax.lax.concatenate([materialize(p) for p in self.parts], self.dimension)
+
+  @property
+  def uniform(self) -> bool:
+    """Whether every broadcast part is by `ids` (else some are by other indices)."""
+    return all(p.ids is self.ids for p in self.parts if isinstance(p, Broadcast))
 
 
 LAZY = (Broadcast, RowConstant, Concat)
