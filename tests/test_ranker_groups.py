@@ -11,7 +11,8 @@ from flax import nnx
 from ikbo_jax.data import RequestError, pack_requests
 from ikbo_jax.data.files import DataError, read_requests, write_requests
 from ikbo_jax.data.synthetic import ClickGenerator
-from ikbo_jax.models import Ranker, RankerConfig, masked_loss
+from ikbo_jax import rewrite
+from ikbo_jax.models import Ranker, RankerConfig, RankingBatch, masked_loss
 from ikbo_jax.serving import Bucket, BucketedModel
 from ikbo_jax.training import TrainConfig, Trainer
 
@@ -148,3 +149,25 @@ def test_training_with_groups_learns_the_group_rule():
   blind = [dataclasses.replace(r, group_dense=np.zeros_like(r.group_dense)) for r in held_out]
   without = trainer.evaluate(blind)["auc"]
   assert with_groups > 0.7 and with_groups > without + 0.02, (with_groups, without)
+
+
+def test_the_rewrite_runs_the_standard_group_builds_levels_at_their_own_batches():
+  """The standard build copies user and group inputs to the candidates; rewritten, neither is."""
+  model = Ranker(CONFIG, rngs=nnx.Rngs(4))
+  batch = pack_requests(_requests(4, seed=10), CONFIG, num_users=5, num_candidates=48,
+                        num_groups=24)
+  graphdef, state = nnx.split(model)
+  fields = ("user_dense", "history", "history_len", "cand_to_user", "cand_items", "cand_dense",
+            "item_to_group", "group_to_user", "group_dense")
+
+  def standard(state, *arrays):
+    b = RankingBatch(**dict(zip(fields, arrays)), labels=jnp.zeros(arrays[3].shape))
+    return nnx.merge(graphdef, state).standard(b)
+
+  args = (state, *(getattr(batch, f) for f in fields))
+  where = dict(mapping=4, users=(1, 2, 3, 8, 9), candidates=(5, 6, 7))
+  mask = np.asarray(batch.candidate_mask())
+  np.testing.assert_allclose(np.asarray(jax.jit(rewrite.rewrite(standard, **where))(*args))[mask],
+                             np.asarray(_standard(model, batch))[mask], rtol=1e-4, atol=1e-4)
+  report = rewrite.explain(standard, *args, **where)
+  assert report.count("split_dense") == 1 and not report.count("materialized"), str(report)
