@@ -25,6 +25,7 @@ import httpx
 import jax
 import numpy as np
 import uvloop
+from flax import nnx
 from prometheus_client import parser
 
 from benchmarks import common
@@ -32,6 +33,8 @@ from benchmarks.problems import ranking_batch
 from ikbo_jax.data import pack_requests
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.data.trace import serving_trace
+from ikbo_jax.models import Ranker
+from ikbo_jax.models.config import PRESETS
 from ikbo_jax.serving import Batcher, BatchingConfig, BucketedModel, http_load
 from ikbo_jax.serving.buckets import default_buckets
 from ikbo_jax.serving.cached import CachedModel, user_state_bytes
@@ -224,8 +227,15 @@ def overload(preset: str, build: str, requests, qps: float, seconds: float, proc
   `server_args` go to the server's command line (its queue bound and deadline); the
   bodies are of `content_type` (`ikbo_jax.serving.bodies`).
   Reports what the clients saw (answers, refusals by status, resets and timeouts by
-  type, latency), what the server counted, and how long its SIGTERM drain took.
+  type, wrong scores, latency), what the server counted, and how long its SIGTERM
+  drain took. Every answer is checked against the request's scores computed here
+  by the model the server builds (`reference_scores`).
   """
+  config = PRESETS[preset]()
+  expected = reference_scores(config, requests)
+  # The server may batch a request with others, in another bucket than alone: 16-bit
+  # models round differently there (IKBO and standard builds agree to 5% of the logits).
+  tolerance = 1e-4 if config.dtype == "float32" else 0.03
   port = loopback.free_port()
   # This process already holds the device: XLA's default is to take 75% of its memory up
   # front, which leaves the server too little to start.
@@ -241,7 +251,9 @@ def overload(preset: str, build: str, requests, qps: float, seconds: float, proc
     wait_ready(url, server, log, 900)
     print(f"overload {build}: server ready in {time.perf_counter() - started:.0f} s", flush=True)
     stats = http_load.over_http(url, requests, qps=qps, max_seconds=seconds,
-                                processes=processes, cycle=True, content_type=content_type)
+                                processes=processes, cycle=True, content_type=content_type,
+                                expected=expected, score_tolerance=tolerance)
+    stats["score_tolerance"] = tolerance
     stats.update(server_metrics(url))
     start = time.perf_counter()
     server.send_signal(signal.SIGTERM)
@@ -257,6 +269,17 @@ def overload(preset: str, build: str, requests, qps: float, seconds: float, proc
         f"{stats['errors_by_kind']}; p99 {stats['p99_ms']:.1f} ms (server <= "
         f"{stats['server_p99_ms_at_most']:.0f} ms)", flush=True)
   return stats
+
+
+def reference_scores(config, requests) -> list[np.ndarray]:
+  """Each request's click probabilities from the model the server builds without a checkpoint
+  (`Ranker(config, rngs=nnx.Rngs(0))`), scored alone: one user slot, the IKBO build."""
+  model = Ranker(config, rngs=nnx.Rngs(0))
+  slots = max(r.num_candidates for r in requests)
+  score = nnx.jit(lambda m, b: jax.nn.sigmoid(m(b)))
+  return [np.asarray(score(model, pack_requests([r.validated(config)], config, num_users=1,
+                                                 num_candidates=slots)))[:r.num_candidates]
+          for r in requests]
 
 
 def split_device_time(model, config, sizes, ratios, iterations: int) -> dict:

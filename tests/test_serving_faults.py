@@ -284,10 +284,17 @@ def test_the_load_generator_counts_refusals_by_kind_from_several_processes():
   model = SlowScorer(seconds=0.02)
   batching = BatchingConfig(max_queued_candidates=24, max_in_flight=1)
   requests = some_requests(120, start=4000)
+  right = [r.cand_items / 1000 for r in requests]
+  wrong = [x + 0.01 * (i % 2) for i, x in enumerate(right)]  # every other request's scores off
   with loopback.serving(create_app(model, batching)) as served_at:
-    stats = http_load.over_http(served_at.url, requests, qps=2000, processes=2, connections=32)
+    stats = http_load.over_http(served_at.url, requests, qps=2000, processes=2, connections=32,
+                                expected=right, score_tolerance=1e-6)
+    checked = http_load.over_http(served_at.url, requests, qps=200, processes=2,
+                                  connections=32, expected=wrong, score_tolerance=1e-3)
   assert stats["requests"] == 120 and stats["answered"] + stats["errors"] == 120
   assert stats["answered"] > 0 and set(stats["errors_by_kind"]) <= {"429", "503"}
+  # Answers checked against the scores each request should get: a wrong one is not an answer.
+  assert 0 < checked["errors_by_kind"]["wrong_score"] <= 60 < checked["answered"] + 60
 
 
 def test_a_serving_trace_brings_popular_users_back():

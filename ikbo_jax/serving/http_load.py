@@ -10,6 +10,9 @@ client sends its share over and over until `max_seconds` (a minute at ten
 thousand requests a second is too many distinct bodies to hold).
 Statuses other than 200 are counted by status, connection failures by type.
 Bodies are JSON or msgpack (`serving.bodies`; msgpack costs the server less).
+Given the scores each request should get (`expected`), every answer is checked
+against them: one off by more than `score_tolerance`, or of another length, is
+counted as a `wrong_score` instead of an answer.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import multiprocessing
 from collections.abc import Sequence
 
 import aiohttp
+import msgspec
+import numpy as np
 import uvloop
 
 from ikbo_jax.data import Request, RequestError
@@ -28,19 +33,25 @@ from ikbo_jax.serving.load import Refused, Tally, drive, summarize
 
 def over_http(url: str, requests: Sequence[Request], *, qps: float, max_seconds: float = 60.0,
               processes: int = 1, connections: int = 256, cycle: bool = False,
-              content_type: str = bodies.JSON) -> dict:
+              content_type: str = bodies.JSON, expected: Sequence[np.ndarray] | None = None,
+              score_tolerance: float = 0.0) -> dict:
   """Latency stats of `requests` sent to `url` at `qps`, from `processes` processes.
 
   Each request goes once, or with `cycle` over and over until `max_seconds`, as
-  bodies of `content_type` (`serving.bodies.CONTENT_TYPES`).
+  bodies of `content_type` (`serving.bodies.CONTENT_TYPES`); with `expected`
+  (each request's probabilities), answers further than `score_tolerance` from
+  them count as `wrong_score`.
   """
   if not (processes >= 1 and connections >= 1 and qps > 0 and len(requests) >= processes):
     raise ValueError(f"need processes >= 1, connections >= 1, qps > 0 and a request per "
                      f"process, got {processes}, {connections}, {qps}, {len(requests)} requests")
-  payloads = [bodies.encode(r, content_type) for r in requests]
+  if expected is not None and len(expected) != len(requests):
+    raise ValueError(f"expected holds {len(expected)} score arrays for {len(requests)} requests")
+  payloads = [(bodies.encode(r, content_type), None if expected is None else
+               np.asarray(expected[i], np.float32)) for i, r in enumerate(requests)]
   counts = [r.num_candidates for r in requests]
   shares = [(url, *_share(payloads, counts, p, processes, qps * max_seconds if cycle else 0),
-             qps / processes, max_seconds, connections, p, content_type)
+             qps / processes, max_seconds, connections, p, content_type, score_tolerance)
             for p in range(processes)]
   if processes == 1:
     return summarize([_client(*shares[0])], qps)
@@ -51,8 +62,8 @@ def over_http(url: str, requests: Sequence[Request], *, qps: float, max_seconds:
   return summarize(tallies, qps)
 
 
-def _share(payloads: list[bytes], counts: list[int], p: int, processes: int,
-           arrivals: float) -> tuple[list[bytes], list[int]]:
+def _share(payloads: list, counts: list[int], p: int, processes: int,
+           arrivals: float) -> tuple[list, list[int]]:
   """Client `p`'s bodies and candidate counts, repeated to outlast `arrivals` Poisson sends.
 
   The repeats are references to the same bytes: pickling them to the client is cheap.
@@ -64,9 +75,9 @@ def _share(payloads: list[bytes], counts: list[int], p: int, processes: int,
   return mine * max(repeats, 1), mine_counts * max(repeats, 1)
 
 
-def _client(url: str, payloads: list[bytes], counts: list[int], qps: float, max_seconds: float,
-            connections: int, seed: int, content_type: str) -> Tally:
-  """One client process: its share of the requests, open loop.
+def _client(url: str, payloads: list, counts: list[int], qps: float, max_seconds: float,
+            connections: int, seed: int, content_type: str, score_tolerance: float) -> Tally:
+  """One client process: its share of the requests (`(body, expected scores or None)`), open loop.
 
   aiohttp rather than httpx: on a 2-core CPU one process sends ~3000 small requests a
   second with it, ~520 with httpx, which made the client the bottleneck it measures.
@@ -78,19 +89,31 @@ def _client(url: str, payloads: list[bytes], counts: list[int], qps: float, max_
     connector = aiohttp.TCPConnector(limit=connections, keepalive_timeout=1.0)
     async with aiohttp.ClientSession(url, connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=60.0)) as session:
-      async def send(payload: bytes):
+      async def send(payload: tuple[bytes, np.ndarray | None]):
+        body, want = payload
         try:
-          async with session.post("/score", data=payload,
+          async with session.post("/score", data=body,
                                   headers={"content-type": content_type}) as response:
             if response.status == 400:
               raise RequestError((await response.json())["error"])
-            await response.read()
+            answer = await response.read()
             if response.status != 200:
               raise Refused(str(response.status))
         except aiohttp.ClientError as e:  # resets, disconnects, malformed answers
           raise Refused(type(e).__name__) from None
+        if want is not None and not _matches(answer, want, score_tolerance):
+          raise Refused("wrong_score")
 
       return await drive(send, payloads, qps=qps, candidates=counts, seed=seed,
                          max_seconds=max_seconds)
 
   return uvloop.run(run())
+
+
+def _matches(answer: bytes, want: np.ndarray, tolerance: float) -> bool:
+  """Whether a 200 answer's scores are `want`'s, each within `tolerance`."""
+  try:
+    got = np.asarray(msgspec.json.decode(answer)["scores"], np.float32)
+  except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+    return False
+  return got.shape == want.shape and bool(np.all(np.abs(got - want) <= tolerance))
