@@ -119,3 +119,20 @@ def test_a_product_of_two_levels_that_is_not_one_nested_gather_runs_split(mappin
       else dict(mapping="item_to_user", users=("user", "group"))
   report = check_rewrite(fn, args, **where)
   assert report.count("two_level_linear_compression") == 0
+
+
+def test_attention_over_the_users_history_read_through_groups_is_target_attention():
+  """Keys, values and lengths gathered user -> group -> item: one IKBO attention, no copy."""
+
+  def fn(k_user, v_user, lengths, group_to_user, item_to_group, q):
+    at_items = lambda x: x[group_to_user][item_to_group]
+    return rewrite.attention(q, at_items(k_user), at_items(v_user), at_items(lengths))
+
+  rng = np.random.default_rng(2)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  args = (normal(3, 6, 1, 8), normal(3, 6, 1, 8), jnp.asarray([6, 0, 2], jnp.int32),
+          jnp.asarray([0, 2, 2, 1, 0], jnp.int32), jnp.asarray(rng.integers(0, 5, 9), jnp.int32),
+          normal(9, 2, 1, 8))
+  report = check_rewrite(fn, args, mapping="item_to_group",
+                         users=("k_user", "v_user", "lengths", "group_to_user"), candidates=("q",))
+  assert report.count("target_attention") == 1 and not report.count("materialized"), report
