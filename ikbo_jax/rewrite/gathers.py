@@ -83,7 +83,7 @@ def _gather_of_broadcast(rw, eqn, inner: Broadcast, indices: Plain):
   mode = eqn.params["mode"] if not _within(indices, num_groups) else GatherScatterMode.CLIP
   item_to_group, _ = rw.memo(("rows", num_groups, mode), indices.value,
                              lambda i: _exact_ids(i[:, 0], num_groups, mode))
-  edges = jnp.take(inner.user, inner.ids[jnp.array([0, num_groups - 1])], axis=0)
+  edges = jnp.take(inner.user, inner.ids[jnp.array([0, num_groups - 1])], axis=0, mode="clip")
   extra = _extra_rows(eqn, edges, mode)  # the group rows out-of-range ids read
   group_to_user = rw.memo(("group_to_user", inner.num_users, len(extra)), inner.ids,
                           lambda g: jnp.concatenate([g, inner.num_users + jnp.arange(
