@@ -100,3 +100,24 @@ else:
               f"{p['ratio_to_own_gemms_floor']:.2f}x its own GEMMs; attention "
               f"x{p['attention']['speedup_vs_copy_untimed']:.2f} vs per-group histories built beforehand, "
               f"x{p['attention']['speedup_vs_copy_timed']:.2f} with the copy")
+
+# %% [markdown]
+# The target point (G = 128, U = 16; a later run, cut before it wrote the other
+# points) and the reference ranker with a group level against its standard build:
+
+# %%
+target = '../benchmarks/results/two_level_g128_u16_h100.json'
+ranker = '../benchmarks/results/ranking_groups_h100.json'
+if os.path.exists(target):
+    t = json.load(open(target))
+    print(t['commit'], t['device'], {k: v for k, v in t['ratios'].items()})
+if os.path.exists(ranker):
+    r = json.load(open(ranker))
+    rows = {**{k: v for k, v in r['inference'].items()}, 'training B1024': r['training']}
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.bar(range(len(rows)), [v['speedup'] for v in rows.values()])
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"{k}\nU={v['num_users']} G={v['num_groups']}" for k, v in rows.items()],
+                       fontsize=7)
+    ax.set_ylabel('x standard build'); ax.set_title(f"ranker with groups, {r['device']}")
+    plt.show()
