@@ -32,6 +32,11 @@ class RankingBatch:
       None for a model without a group level.
     group_to_user: `int32[G]` each group slot's user slot (`U`: padding).
     group_dense: `float[G, group_dense]` the groups' features.
+
+  With a group level, a real candidate's group belongs to its user
+  (`group_to_user[item_to_group[b]] == cand_to_user[b]`), as `pack_requests`
+  lays them out: the IKBO build reads the user's part of linear compression
+  through the group, attention and the standard build through `cand_to_user`.
   """
 
   user_dense: jax.Array
