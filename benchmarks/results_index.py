@@ -46,6 +46,7 @@ PRODUCERS = {
     "host_path": "benchmarks/host_path.py",
     "checkpoint_cost": "benchmarks/checkpoint_cost.py (ranking_system --parts checkpoint; from its log)",
     "rewrite_fuzz": "tools/rewrite_fuzz.py",
+    "rewrite_two_level": "tests/test_rewrite_two_level.py, long profile",
     "rewrite_old_code": "tools/rewrite_fuzz.py on the old code",
     "rewrite": "benchmarks/rewrite.py",
     "soak": "tools/soak.py",
