@@ -17,7 +17,7 @@ from flax import nnx
 
 from ikbo_jax import rewrite
 from ikbo_jax.rewrite import interpreter
-from ikbo_jax.testing.programs import clip_gradient, straight_through
+from ikbo_jax.testing.programs import batch_scaled, clip_gradient, straight_through
 from ikbo_jax.testing.rewrite_check import check_rewrite, outputs_and_gradients
 
 U, B = 3, 10
@@ -292,6 +292,24 @@ def test_an_unread_rows_gradient_never_meets_another_rows_partial():
     return rows + jnp.log(jnp.abs(rows)) + cand @ w, user
   user = _normal(0, 3, 8).at[2].set(0.0)
   args = (user, jnp.array([1, 1, 2, 2], jnp.int32), _normal(1, 4, 5), _normal(2, 5, 8))
+  check_rewrite(model, args, mapping=1, users=0)
+
+
+# Defect (found by the property test, seed 9524): an unread row's tangent was its read
+# row's, so its cotangent, a zero times the read row's partial, went back to the read row.
+# Where that partial is infinite (a rule scaling by a mean over a row of infinities) the
+# zero times infinity is NaN, and the read row's gradient, infinite in the original,
+# became NaN. Here row 2 holds the fill value of out-of-range reads and no candidate reads
+# it; row 1 is all infinities.
+def test_an_unread_row_adds_nothing_to_an_infinite_gradient():
+  def model(user, ids, cand):
+    rows = jnp.take(user, jnp.where(ids < 0, ids + 2, ids), axis=0, mode="fill",
+                    fill_value=jnp.nan)
+    return batch_scaled(rows) + cand
+  user = jnp.zeros((2, 8)).at[1].set(jnp.inf)
+  args = (user, jnp.array([0, 0, 0, -1], jnp.int32), jnp.zeros((4, 8)))
+  want = outputs_and_gradients(model, args)[1][0]
+  assert np.isposinf(want[0]).all()  # the original's gradient, finite nowhere, is infinite here
   check_rewrite(model, args, mapping=1, users=0)
 
 

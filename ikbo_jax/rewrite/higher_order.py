@@ -4,10 +4,10 @@ Each is entered only in a way that keeps what it means:
 
 * `custom_jvp`: the call becomes a new `custom_jvp` whose primal is the
   rewritten primal and whose rule is the user's rule, evaluated by the rewrite
-  on the same lazy operands (at read rows, `read_rows.py`) and tangents. It is used only where the rule's
-  results have the same form as the primal's (a broadcast's tangent is a
-  broadcast by the same index), so the tangent at B is exactly the user's
-  rule's tangent; otherwise, and for rules with symbolic zeros, the call runs
+  on the same lazy operands (at read rows, `read_rows.py`) and tangents
+  (unread rows zero). It is used only where the rule's results have the same
+  form as the primal's (a broadcast's tangent is a broadcast by the same
+  index), so the tangent at B is exactly the user's rule's tangent; otherwise, and for rules with symbolic zeros, the call runs
   as written.
 * `custom_vjp`: the user's backward takes cotangents at B, which the rewritten
   call could not give it, so the call runs as written.
@@ -25,7 +25,7 @@ from jax.extend.core import primitives as P
 
 from ikbo_jax.rewrite import closure
 from ikbo_jax.rewrite.report import Decline, Report
-from ikbo_jax.rewrite.values import at_read_rows, materialize, Plain
+from ikbo_jax.rewrite.values import at_read_rows, materialize, Plain, read_rows_only
 
 
 def _plain(v):
@@ -49,7 +49,7 @@ def custom_jvp_call(rw, eqn, operands):
 
   def jvp_values(report, xs, dxs, itself):
     primals = [at_read_rows(v) for v in rebuild(xs)]  # see read_rows.py
-    tangents = [at_read_rows(v) for v in rebuild(
+    tangents = [read_rows_only(v) for v in rebuild(
         [dx if jnp.issubdtype(x.dtype, jnp.inexact) else x for x, dx in zip(xs, dxs)])]
     outs = rw.nested(report, {key: itself}).eval_jaxpr(
         jvp_closed.jaxpr, jvp_closed.consts, primals + [tangents[i] for i in differentiable])

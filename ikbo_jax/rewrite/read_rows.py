@@ -14,6 +14,10 @@ read row (`Broadcast.rows`) before the op is differentiated there. On a read
 row that replacement is the identity, so the derivative is the original's; on
 an unread row it is a derivative the original computed elsewhere, finite
 where the original's is, and its zero cotangent keeps it out of every sum.
+Its tangent is zero as well, chosen by `where` (`masked_tangent`): where the
+read row's partial is infinite, the unread row's product of it with a zero
+cotangent is NaN, and a tangent gathered from the read row would add that NaN
+to the read row's gradient (an infinity in the original); `where` drops it.
 A program that is not differentiated does no extra work: the replacement runs
 only inside the derivative rule, whose value (computed at the read rows too)
 differs from the op's only on rows that no candidate reads.
@@ -49,12 +53,13 @@ def bind(eqn, fn, arrays, row_axes, rows):
   @call.defjvp
   def call_jvp(primals, tangents):
     rows, *xs = primals
-    # Tangents too: an unread row's tangent is its read row's, so its cotangent goes back to
-    # the read row (zero, added there), never through a partial taken at another row's
-    # values into its own. The value comes at the read rows as well: it differs from
-    # `fn(*xs)` only on rows nothing reads, and the op runs once.
-    at_read = lambda values: [_at_rows(x, rows, axis) for x, axis in zip(values, row_axes)]
-    return jax.jvp(fn, at_read(xs), at_read(tangents[1:]))
+    # An unread row's tangent is zero, chosen by `where`: its cotangent, a zero times a
+    # partial taken at another row's values (NaN where that partial is infinite), is
+    # dropped rather than added anywhere. The value comes at the read rows as well: it
+    # differs from `fn(*xs)` only on rows nothing reads, and the op runs once.
+    at_read = [_at_rows(x, rows, axis) for x, axis in zip(xs, row_axes)]
+    read_only = [masked_tangent(t, rows, axis) for t, axis in zip(tangents[1:], row_axes)]
+    return jax.jvp(fn, at_read, read_only)
 
   return call(rows, *arrays)
 
@@ -63,6 +68,16 @@ def _at_rows(x, rows, axis):
   if axis is None or x.dtype == jax.dtypes.float0:
     return x
   return jnp.take(x, rows, axis=axis, mode="clip")
+
+
+def masked_tangent(t, rows, axis):
+  """`t` with the rows that no candidate reads set to zero (`rows[r] != r`)."""
+  if axis is None or t.dtype == jax.dtypes.float0:
+    return t
+  read = rows == jnp.arange(rows.shape[0], dtype=rows.dtype)
+  shape = [1] * t.ndim
+  shape[axis] = rows.shape[0]
+  return jnp.where(read.reshape(shape), t, jnp.zeros((), t.dtype))
 
 
 def _differentiable(eqn, arrays) -> bool:

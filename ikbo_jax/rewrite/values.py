@@ -35,6 +35,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ikbo_jax.rewrite import read_rows
+
 
 def _pytree(*, data: tuple[str, ...], meta: tuple[str, ...]):
   def register(cls):
@@ -91,6 +93,12 @@ class Broadcast:
     if self.rows is None:
       return self
     return self.like(jnp.take(self.user, self.rows, axis=self.axis, mode="clip"))
+
+  def read_rows_only(self) -> Broadcast:
+    """The same broadcast with every unread user row zero: a tangent no unread row feeds."""
+    if self.rows is None:
+      return self
+    return self.like(read_rows.masked_tangent(self.user, self.rows, self.axis))
 
 
 @_pytree(data=("compact",), meta=("shape", "at_u"))
@@ -158,6 +166,15 @@ def at_read_rows(v):
     return v.at_read_rows()
   if isinstance(v, Concat):
     return Concat(tuple(at_read_rows(p) for p in v.parts), v.ids, v.dimension)
+  return v
+
+
+def read_rows_only(v):
+  """A tangent `v` with every unread user row of its broadcasts zero."""
+  if isinstance(v, Broadcast):
+    return v.read_rows_only()
+  if isinstance(v, Concat):
+    return Concat(tuple(read_rows_only(p) for p in v.parts), v.ids, v.dimension)
   return v
 
 
