@@ -15,7 +15,8 @@
 # "cache" (the serving ladder once, then the user-state cache at two budgets),
 # "cache_soak" (tools/cache_soak.py for SOAK_MINUTES),
 # "overload" (the serving ladder REPEATS times, default 3, then 3x the sustained rates over HTTP:
-# refusals, resets, p99),
+# refusals, resets, p99; HTTP_PROCESSES for the server's), "http_front" (the sustained rate over
+# HTTP with 1..8 HTTP processes feeding one model process),
 # "two_level" (benchmarks/two_level.py, then the two-level sweep cases),
 # "ranker_groups" (the ranker with a group level, IKBO vs standard build: inference and training),
 # "rewrite" (original vs rewritten vs hand-written IKBO code), "fuzz" (the rewrite's property test
@@ -197,8 +198,15 @@ if has overload; then
   timeout "${OVERLOAD_TIMEOUT:-540}" python3 -m benchmarks.ranking_system \
     ${SUSTAINED:+--sustained $SUSTAINED} --parts $parts \
     --repeats "${REPEATS:-3}" --client-processes "${CLIENT_PROCESSES:-8}" \
-    --overload-seconds "${OVERLOAD_SECONDS:-60}" --out "$OUT/ranking_system_overload_${TAG}.json" \
+    --http-processes "${HTTP_PROCESSES:-1}" --overload-seconds "${OVERLOAD_SECONDS:-60}" --out "$OUT/ranking_system_overload_${TAG}.json" \
     2>&1 | grep -v Warning | tee "$OUT/overload.log" | cut -c1-400 | tail -n 12
+fi
+if has http_front; then
+  # The sustained rate over HTTP with 1, 2, 4 and 8 HTTP processes feeding one model process
+  # (HTTP_FRONT_PROCESSES to choose), each run written as it ends.
+  timeout "${HTTP_FRONT_TIMEOUT:-560}" python3 -m benchmarks.http_front \
+    --http-processes ${HTTP_FRONT_PROCESSES:-1 2 4 8} --out "$OUT/http_front_${TAG}.json" 2>&1 \
+    | grep -v Warning | cut -c1-300 | tail -n 30
 fi
 if has two_level; then
   # Two levels of sharing: the benchmark at B = 2048 (the target point first, each point

@@ -147,6 +147,8 @@ def main() -> None:
   parser.add_argument("--content-type", choices=bodies.CONTENT_TYPES, default=bodies.MSGPACK,
                       help="overload: the bodies the clients send (msgpack: raw arrays, the "
                            "server's fast path)")
+  parser.add_argument("--http-processes", type=int, default=1,
+                      help="overload: the server's HTTP processes (ikbo_jax.serving.processes)")
   parser.add_argument("--client-processes", type=int,
                       help="overload: load generator processes (default 4, --small 1)")
   parser.add_argument("--items-per-group", type=int,
@@ -225,7 +227,8 @@ def _overload(args, config, mean: float, budget_ms: float, sustained: dict):
     # would be answered too late is refused instead.
     wait_ms = 0.75 * budget_ms
     queue = max(int(sustained[build] * mean * wait_ms / 1e3), int(8 * mean))
-    server_args = ["--max-queued-candidates", str(queue), "--timeout-ms", str(wait_ms)]
+    server_args = ["--max-queued-candidates", str(queue), "--timeout-ms", str(wait_ms),
+                   "--http-processes", str(args.http_processes)]
     yield build, dict(sustained_qps=sustained[build], **overload(
         "small" if args.small else "benchmark", build, trace, qps, seconds,
         args.client_processes or (1 if args.small else 4), mean, server_args,

@@ -2,6 +2,7 @@
 
     python -m ikbo_jax.serving --checkpoint-dir /tmp/ranker --port 8000
     python -m ikbo_jax.serving --checkpoint-dir /tmp/ranker --devices 2   # a replica per GPU
+    python -m ikbo_jax.serving --checkpoint-dir /tmp/ranker --http-processes 4
 
 `--checkpoint-dir` is a directory written by `python -m ikbo_jax.training`
 (without it the model has random weights, for load tests). Routes: `POST
@@ -19,10 +20,14 @@ head within `--head-seconds` (idle and drip-feeding clients cannot hold sockets)
 of at most `--max-head-bytes` and `--max-headers` fields (431 beyond).
 On SIGTERM it answers 503 to the requests still in its accept queue (instead of
 resetting their connections), stops accepting, answers what is in flight, and exits
-within `--drain-seconds`.
+within `--drain-seconds`. With `--http-processes N` (N > 1), N processes read and
+decode requests from the one port and feed one model process, which holds the model,
+its batcher and its cache (`ikbo_jax.serving.processes`).
 """
 
 from __future__ import annotations
+
+import sys
 
 from ikbo_jax import __version__, _cli
 from ikbo_jax.models.builds import Build
@@ -85,6 +90,10 @@ def main(argv=None) -> None:
                       help="a request head with more header fields is answered 431")
   parser.add_argument("--drain-seconds", type=int, default=10,
                       help="on SIGTERM, how long in-flight requests may take to finish")
+  parser.add_argument("--http-processes", type=int, default=1,
+                      help="processes reading and decoding requests; with more than 1, the "
+                           "model runs in a process of its own that they all feed "
+                           "(ikbo_jax.serving.processes)")
   parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
   parser.add_argument("--port", type=int, default=8000, help="port to listen on")
   args = parser.parse_args(argv)
@@ -92,84 +101,25 @@ def main(argv=None) -> None:
 
 
 def _serve(args, parser) -> None:
-  # Imported after parsing, so that --help and --version answer before jax loads.
-  import jax
-  import uvicorn
-  from flax import nnx
-
-  import numpy as np
-
-  from ikbo_jax.data.synthetic import ClickGenerator
-  from ikbo_jax.models import Ranker, load_ranker
-  from ikbo_jax.models.checkpoint import CheckpointError
-  from ikbo_jax.serving.batcher import BatchingConfig
-  from ikbo_jax.serving.buckets import BucketedModel, default_buckets
-  from ikbo_jax.serving.cached import CachedModel, user_state_bytes
-  from ikbo_jax.serving.devices import DeviceSet
-  from ikbo_jax.serving.draining import DrainingServer
-  from ikbo_jax.serving.http import HttpLimits, create_app
-  from ikbo_jax.serving.protocol import guarded_http
-
-  config = PRESETS[args.preset]()
-  if not 1 <= args.devices <= len(jax.local_devices()):
-    parser.error(f"--devices must be in [1, {len(jax.local_devices())}], got {args.devices}")
-  buckets = default_buckets(config, max_batch_requests=args.max_batch_requests,
-                            mean_candidates=args.mean_candidates)
-
-  if args.checkpoint_dir:
-    try:  # before the port opens: a checkpoint that does not verify never serves
-      ranker = load_ranker(config, args.checkpoint_dir)
-    except (CheckpointError, FileNotFoundError) as e:
-      parser.exit(1, f"cannot serve {args.checkpoint_dir}: {e}\n")
-  else:
-    print("no --checkpoint-dir: serving random weights")
-    ranker = Ranker(config, rngs=nnx.Rngs(0))
-
-  cache_bytes = int(args.cache_mb * 2**20)
-  if args.cache_mb:
-    if args.build is not Build.IKBO or args.devices != 1:
-      parser.error(f"--cache-mb needs --build ikbo and --devices 1, got --build {args.build} "
-                   f"--devices {args.devices}")
-    needed = max(b.num_users for b in buckets) * user_state_bytes(ranker)
-    if cache_bytes < needed:
-      parser.error(f"--cache-mb {args.cache_mb} holds fewer users than one batch has: give at "
-                   f"least {needed / 2**20:.1f}")
-  elif args.cache_ttl_seconds is not None:
+  if args.cache_mb and (args.build is not Build.IKBO or args.devices != 1):
+    parser.error(f"--cache-mb needs --build ikbo and --devices 1, got --build {args.build} "
+                 f"--devices {args.devices}")
+  if not args.cache_mb and args.cache_ttl_seconds is not None:
     parser.error("--cache-ttl-seconds needs --cache-mb")
+  if args.http_processes < 1:
+    parser.error(f"--http-processes must be >= 1, got {args.http_processes}")
+  if args.http_processes > 1:
+    from ikbo_jax.serving.processes import Supervisor
 
-  def build_model():
-    """Runs on a thread once the port is open; the server is ready when it returns."""
-    print(f"compiling {len(buckets)} buckets of the {args.build} build on {args.devices} "
-          "device(s)...", flush=True)
-    progress = lambda bucket, seconds: print(f"  compiled {bucket} in {seconds:.1f} s",
-                                             flush=True)
-    if args.cache_mb:
-      model = CachedModel(ranker, buckets, cache_bytes=cache_bytes,
-                          ttl_seconds=args.cache_ttl_seconds, on_compiled=progress)
-    elif args.devices == 1:
-      model = BucketedModel(ranker, buckets, args.build, on_compiled=progress)
-    else:
-      model = DeviceSet(ranker, buckets, args.build, devices=jax.local_devices()[:args.devices],
-                        on_compiled=progress)
-    # A smoke batch: parameters that pass the checksums can still be garbage.
-    smoke = ClickGenerator(config, seed=0).request(0).validated(config)
-    if not np.isfinite(model([smoke])[0]).all():
-      raise RuntimeError("a smoke request got non-finite scores: the parameters are broken")
-    return model
+    sys.exit(Supervisor(args).run())
+  # Imported after parsing, so that --help and --version answer before jax loads.
+  from ikbo_jax.serving import launch
 
-  batching = BatchingConfig(args.max_batch_requests, args.batch_timeout_ms,
-                            max_queued_candidates=args.max_queued_candidates,
-                            max_in_flight=args.max_in_flight or 2 * args.devices,
-                            default_timeout_ms=args.timeout_ms)
-  limits = HttpLimits(max_body_bytes=args.max_body_bytes, max_active=args.max_active,
-                      max_receiving=args.max_receiving,
-                      max_receiving_per_peer=args.max_receiving_per_peer)
-  app = create_app(build_model, batching, limits)
-  http = guarded_http(args.head_seconds, args.max_head_bytes, args.max_headers)
-  DrainingServer(uvicorn.Config(
-      app, host=args.host, port=args.port, http=http, backlog=args.backlog,
-      limit_concurrency=args.max_connections, timeout_keep_alive=args.idle_seconds,
-      timeout_graceful_shutdown=args.drain_seconds)).run()
+  try:
+    ranker = launch.load_ranker(args)  # before the port opens
+  except launch.LaunchError as e:
+    parser.exit(1, f"{e}\n")
+  launch.http_server(args, model=launch.model_builder(args, ranker)).run()
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ from ikbo_jax.serving.admission import Admission, Refusal, receive_body
 from ikbo_jax.serving.batcher import Batcher, BatchingConfig, DeadlineExceeded, Overloaded
 from ikbo_jax.serving.cached import CachedModel
 from ikbo_jax.serving.metrics import ServingMetrics
+from ikbo_jax.serving.remote import ModelUnavailable, RemoteBatcher
 from ikbo_jax.serving.scorer import Scorer
 
 _LOG = logging.getLogger(__name__)
@@ -101,8 +102,9 @@ class HttpLimits:
                          f"{getattr(self, field.name)!r}")
 
 
-def create_app(model: Scorer | Callable[[], Scorer], batching: BatchingConfig = BatchingConfig(),
-               limits: HttpLimits = HttpLimits()) -> Starlette:
+def create_app(model: Scorer | Callable[[], Scorer] | None,
+               batching: BatchingConfig = BatchingConfig(), limits: HttpLimits = HttpLimits(),
+               *, model_process: str | None = None) -> Starlette:
   """An ASGI app serving `model` (run it with uvicorn, or `python -m ikbo_jax.serving`).
 
   `model` may be a function that builds (compiles) the model: it then runs on a
@@ -110,7 +112,15 @@ def create_app(model: Scorer | Callable[[], Scorer], batching: BatchingConfig = 
   ready until it is done. If it fails (a smoke batch with non-finite scores,
   say), the server never becomes ready and `/health/live` fails too, with the
   reason, so that an orchestrator restarts it rather than waiting.
+
+  With `model_process` (the Unix socket of a `serving.model_server`), `model` is
+  None: this app is one of several HTTP processes (`serving.processes`) and the
+  model, its batcher and cache live in that process; the app is ready once it
+  is connected to that process and that process's model is built.
   """
+  if (model is None) == (model_process is None):
+    raise ValueError(f"give a model or a model_process, not both or neither: got model="
+                     f"{model!r}, model_process={model_process!r}")
   metrics = ServingMetrics()
 
   @contextlib.asynccontextmanager
@@ -118,12 +128,18 @@ def create_app(model: Scorer | Callable[[], Scorer], batching: BatchingConfig = 
     app.state.batcher = app.state.model = app.state.failed = None
     async with contextlib.AsyncExitStack() as stack:
       async def start():
-        served = model if isinstance(model, Scorer) else await asyncio.to_thread(model)
-        batcher = await stack.enter_async_context(
-            Batcher(served, batching, on_batch=metrics.observe_batch))
+        if model_process is not None:
+          batcher = await stack.enter_async_context(RemoteBatcher(model_process, batching))
+          served = await batcher.ready()
+          if served.has_cache:
+            metrics.watch_cache(lambda: batcher.cache_report)
+        else:
+          served = model if isinstance(model, Scorer) else await asyncio.to_thread(model)
+          batcher = await stack.enter_async_context(
+              Batcher(served, batching, on_batch=metrics.observe_batch))
+          if isinstance(served, CachedModel):
+            metrics.watch_cache(served.report)
         metrics.watch_queue(lambda: batcher.queued_requests, lambda: batcher.queued_candidates)
-        if isinstance(served, CachedModel):
-          metrics.watch_cache(served.report)
         app.state.model, app.state.batcher = served, batcher
 
       async def start_or_fail():
@@ -238,13 +254,21 @@ def _ready(http_request: HttpRequest) -> JSONResponse:
   return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
 
 
-def _cached_model(http_request: HttpRequest) -> CachedModel:
-  model = http_request.app.state.model
+async def _cache_report(http_request: HttpRequest, flush: bool) -> dict:
+  state = http_request.app.state
+  model = state.model
   if model is None:
     raise Refusal(503, "the model is still compiling; retry later", retry=True)
+  if isinstance(state.batcher, RemoteBatcher) and model.has_cache:
+    try:
+      return await state.batcher.cache("flush" if flush else "report")
+    except ModelUnavailable as e:
+      raise Refusal(503, str(e), retry=True) from None
   if not isinstance(model, CachedModel):
     raise Refusal(404, "this server runs without a user-state cache (see --cache-mb)")
-  return model
+  if flush:
+    await asyncio.to_thread(model.flush)
+  return model.report()
 
 
 async def _cache(http_request: HttpRequest) -> JSONResponse:
@@ -256,14 +280,13 @@ async def _cache(http_request: HttpRequest) -> JSONResponse:
   POST is refused with 415).
   """
   try:
-    model = _cached_model(http_request)
-    if http_request.method == "POST":
+    flush = http_request.method == "POST"
+    if flush:
       content_type = http_request.headers.get("content-type", "").split(";")[0].strip()
       if content_type != bodies.JSON:
         raise Refusal(415, f"POST /cache/flush takes Content-Type: {bodies.JSON} (a request a "
                             f"browser cannot send cross-site unasked), got {content_type!r}")
-      await asyncio.to_thread(model.flush)
-    return JSONResponse(model.report())
+    return JSONResponse(await _cache_report(http_request, flush))
   except Refusal as refusal:
     return JSONResponse({"error": str(refusal)}, status_code=refusal.status)
 
@@ -338,6 +361,8 @@ async def _decode_and_score(body: bytes, content_type: str, batcher: Batcher,
     raise Refusal(429, str(e), retry=True) from None
   except DeadlineExceeded as e:
     raise Refusal(503, str(e), retry=True) from None
+  except ModelUnavailable as e:
+    raise Refusal(503, str(e), retry=True, reason="not_ready") from None
   finite = np.isfinite(scores)
   if not finite.all():
     raise Refusal(422, f"{int((~finite).sum())} of the request's {scores.size} scores are not "

@@ -14,13 +14,20 @@ Names follow Prometheus conventions (base units, `_total` counters):
   `ikbo_cache_entries`, `ikbo_cache_capacity`, `ikbo_cache_bytes` (the table's device memory).
 
 Each server has its own registry, so several apps in one process (tests) do not collide.
+A server of several processes (`serving.processes`) keeps its counters and histograms in
+prometheus-client's multiprocess files (`PROMETHEUS_MULTIPROC_DIR`, set before any of its
+processes imports prometheus-client), and a scrape of any of its HTTP processes adds up
+every process's; the queue's and the cache's gauges and counts come from the model
+process's last report.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import prometheus_client as prom
+from prometheus_client import multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ikbo_jax.data import Request
@@ -39,10 +46,6 @@ class ServingMetrics:
     self.request_seconds = prom.Histogram(
         "ikbo_http_request_seconds", "HTTP request latency", ("route", "status"),
         buckets=_LATENCY_BUCKETS, registry=r)
-    self.queue_requests = prom.Gauge("ikbo_queue_requests", "requests in the batcher's queue",
-                                     registry=r)
-    self.queue_candidates = prom.Gauge("ikbo_queue_candidates",
-                                       "candidates in the batcher's queue", registry=r)
     self.batch_requests = prom.Histogram("ikbo_batch_requests", "requests per batch",
                                          buckets=_SIZE_BUCKETS, registry=r)
     self.batch_candidates = prom.Histogram("ikbo_batch_candidates", "candidates per batch",
@@ -54,14 +57,19 @@ class ServingMetrics:
     self.refused = prom.Counter("ikbo_refused", "requests answered without computing them",
                                 ("reason",), registry=r)
 
+    self._watched: list[prom.registry.Collector] = []
+
   def watch_queue(self, requests: Callable[[], int], candidates: Callable[[], int]) -> None:
     """Reads the queue depths from the batcher at each scrape."""
-    self.queue_requests.set_function(requests)
-    self.queue_candidates.set_function(candidates)
+    self._watch(_QueueCollector(requests, candidates))
 
-  def watch_cache(self, report: Callable[[], dict]) -> None:
+  def watch_cache(self, report: Callable[[], dict | None]) -> None:
     """Reads the user-state cache's counts from `report()` (`CachedModel.report`) at each scrape."""
-    self.registry.register(_CacheCollector(report))
+    self._watch(_CacheCollector(report))
+
+  def _watch(self, collector) -> None:
+    self._watched.append(collector)
+    self.registry.register(collector)
 
   def observe_batch(self, requests: Sequence[Request], bucket: Bucket | None,
                     seconds: float) -> None:
@@ -74,7 +82,27 @@ class ServingMetrics:
 
   def exposition(self) -> tuple[bytes, str]:
     """The text exposition format and its content type."""
-    return prom.generate_latest(self.registry), prom.CONTENT_TYPE_LATEST
+    shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    registry = self.registry
+    if shared:  # every process's counters and histograms, and this one's watched gauges
+      registry = prom.CollectorRegistry()
+      multiprocess.MultiProcessCollector(registry, path=shared)
+      for collector in self._watched:
+        registry.register(collector)
+    return prom.generate_latest(registry), prom.CONTENT_TYPE_LATEST
+
+
+class _QueueCollector(prom.registry.Collector):
+  """The batcher's queue depths, read at scrape time."""
+
+  def __init__(self, requests: Callable[[], int], candidates: Callable[[], int]):
+    self._requests, self._candidates = requests, candidates
+
+  def collect(self):
+    yield GaugeMetricFamily("ikbo_queue_requests", "requests in the batcher's queue",
+                            value=self._requests())
+    yield GaugeMetricFamily("ikbo_queue_candidates", "candidates in the batcher's queue",
+                            value=self._candidates())
 
 
 class _CacheCollector(prom.registry.Collector):
@@ -85,6 +113,8 @@ class _CacheCollector(prom.registry.Collector):
 
   def collect(self):
     r = self._report()
+    if r is None:  # not reported yet
+      return
     for name in ("hits", "misses", "evictions", "expirations"):
       yield CounterMetricFamily(f"ikbo_cache_{name}", f"user-state cache {name}", value=r[name])
     yield GaugeMetricFamily("ikbo_cache_entries", "users in the cache", value=r["entries"])

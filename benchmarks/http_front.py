@@ -1,0 +1,143 @@
+"""The sustained rate over HTTP with 1..N HTTP processes feeding one model process.
+
+    python -m benchmarks.http_front --http-processes 1 2 4 8 --out http_front.json   # a GPU host
+    python -m benchmarks.http_front --small --out http_front_small.json               # CPU
+
+For each N, the server (`python -m ikbo_jax.serving --http-processes N`; N = 1 is
+the one-process server) is started once, and offered Poisson rates over HTTP,
+climbing `--rates`, from `--client-processes` load-generator processes with
+msgpack bodies (the Zipf trace of returning users); a rate is held while the
+clients' p99 stays within `--budget-ms`, at least 90% of the offered rate is
+answered and no answer is wrong (each is checked against the model's scores)
+or reset. Before the ladder, `--lone` requests one at a time on one keep-alive
+connection give the lone request's latency over HTTP. Every row is written as
+it is measured. The device-bound ceiling these rates are held against is
+`benchmarks/ranking_system.py`'s (`device_bound_qps`: full batches back to back).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import numpy as np
+
+from benchmarks import common
+from benchmarks.serving_load import reference_scores, server_metrics, wait_ready
+from ikbo_jax.data.synthetic import ClickGenerator
+from ikbo_jax.data.trace import serving_trace
+from ikbo_jax.models.config import PRESETS
+from ikbo_jax.serving import bodies, http_load
+from ikbo_jax.testing import loopback
+
+
+def lone_requests(url: str, requests, count: int) -> dict:
+  """Latency of `count` requests sent one at a time on one connection (msgpack)."""
+  payloads = [bodies.encode(r, bodies.MSGPACK) for r in requests[:count]]
+  headers = {"Content-Type": bodies.MSGPACK}
+  times = []
+  with httpx.Client(timeout=30) as client:
+    for payload in payloads:
+      start = time.perf_counter()
+      client.post(f"{url}/score", content=payload, headers=headers).raise_for_status()
+      times.append(1e3 * (time.perf_counter() - start))
+  p50, p99 = np.percentile(times[len(times) // 10:], (50, 99))  # the first tenth warms up
+  return dict(requests=len(times), p50_ms=float(p50), p99_ms=float(p99))
+
+
+def holds(stats: dict, budget_ms: float) -> bool:
+  resets = sum(n for kind, n in stats["errors_by_kind"].items() if kind not in ("429", "503"))
+  return (stats["p99_ms"] <= budget_ms and stats["achieved_qps"] >= 0.9 * stats["offered_qps"]
+          and stats["sent_qps"] >= 0.95 * stats["offered_qps"] and resets == 0)
+
+
+def ladder(url: str, requests, expected, rates, seconds: float, clients: int,
+           budget_ms: float, tolerance: float) -> tuple[float, list[dict]]:
+  """The highest of `rates` held, and every rate's stats, climbing until one fails."""
+  held, rows = 0.0, []
+  for rate in rates:
+    stats = http_load.over_http(url, requests, qps=rate, max_seconds=seconds,
+                                processes=clients, cycle=True, content_type=bodies.MSGPACK,
+                                expected=expected, score_tolerance=tolerance)
+    rows.append(stats)
+    ok = holds(stats, budget_ms)
+    print(f"  {rate:.0f}/s: p99 {stats['p99_ms']:.1f} ms, answered {stats['achieved_qps']:.0f}/s,"
+          f" errors {stats['errors_by_kind']} -> {'held' if ok else 'not held'}", flush=True)
+    if not ok:
+      break
+    held = rate
+  return held, rows
+
+
+def serve(preset: str, http_processes: int, mean_candidates: float, server_args: list[str]):
+  """The server in its own process, ready: (url, process, log)."""
+  port = loopback.free_port()
+  log = tempfile.TemporaryFile()
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  server = subprocess.Popen(
+      [sys.executable, "-m", "ikbo_jax.serving", "--preset", preset, "--port", str(port),
+       "--mean-candidates", str(mean_candidates), "--http-processes", str(http_processes),
+       *server_args], stdout=log, stderr=subprocess.STDOUT, env=env)
+  url = f"http://127.0.0.1:{port}"
+  wait_ready(url, server, log, 900)
+  return url, server, log
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--small", action="store_true", help="the small preset, a short run")
+  parser.add_argument("--http-processes", type=int, nargs="+", default=[1, 2, 4, 8])
+  parser.add_argument("--rates", type=float, nargs="+",
+                      default=[1000, 2000, 3000, 4000, 6000, 8000, 10000, 12000, 15000])
+  parser.add_argument("--seconds-per-rate", type=float, default=5.0)
+  parser.add_argument("--client-processes", type=int, default=8)
+  parser.add_argument("--budget-ms", type=float, default=20.0)
+  parser.add_argument("--mean-candidates", type=float, default=70.0)
+  parser.add_argument("--lone", type=int, default=300, help="requests sent one at a time")
+  parser.add_argument("--pool", type=int, default=2000, help="distinct requests cycled through")
+  parser.add_argument("--iterations", type=int, help="ignored (the scripts' common flag)")
+  parser.add_argument("--out", required=True)
+  args = parser.parse_args()
+  if args.small:
+    args.rates, args.seconds_per_rate, args.client_processes = [20, 40], 1.0, 1
+    args.budget_ms = 200.0  # a CPU model call takes tens of milliseconds
+    args.http_processes, args.mean_candidates, args.lone, args.pool = [1, 2], 8.0, 20, 60
+  preset = "small" if args.small else "benchmark"
+  config = PRESETS[preset]()
+  gen = ClickGenerator(config, seed=4, mean_candidates=args.mean_candidates,
+                       max_candidates=int(4 * args.mean_candidates))
+  requests = serving_trace(gen, args.pool, processes=os.cpu_count())
+  expected = reference_scores(config, requests)
+  tolerance = 1e-4 if config.dtype == "float32" else 0.03
+  queue = int(args.mean_candidates * 64)
+  server_args = ["--max-queued-candidates", str(queue), "--timeout-ms",
+                 str(0.75 * args.budget_ms), "--max-batch-requests", "32"]
+  payload = dict(**common.metadata(), preset=preset, budget_p99_ms=args.budget_ms,
+                 mean_candidates=args.mean_candidates, client_processes=args.client_processes,
+                 seconds_per_rate=args.seconds_per_rate, server_args=server_args,
+                 host_cpus=os.cpu_count(), runs={})
+  for n in args.http_processes:
+    url, server, log = serve(preset, n, args.mean_candidates, server_args)
+    try:
+      row = dict(lone=lone_requests(url, requests, args.lone))
+      print(f"{n} HTTP processes: lone request p50 {row['lone']['p50_ms']:.2f} ms", flush=True)
+      row["sustained_qps"], row["ladder"] = ladder(
+          url, requests, expected, args.rates, args.seconds_per_rate, args.client_processes,
+          args.budget_ms, tolerance)
+      row["server"] = server_metrics(url)
+      print(f"{n} HTTP processes: sustained {row['sustained_qps']:.0f}/s", flush=True)
+    finally:
+      server.send_signal(signal.SIGTERM)
+      server.wait(timeout=120)
+    payload["runs"][str(n)] = row
+    common.write_json(args.out, payload)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,163 @@
+"""The model process of a server with several HTTP processes (`serving.processes`).
+
+It holds the one model (and its user-state cache) and the one `Batcher`, and
+listens on a Unix socket (`serving.frames`) for the requests that the HTTP
+processes have read, decoded and validated. Every user's requests meet the
+same cache, however many HTTP processes there are, and batches fill from all
+of them. What it answers (HTTP process -> model process, and back):
+
+    ("score", id, request, timeout_ms) -> ("scores", id, scores)
+                                        | ("refused", id, kind, message)
+    ("cache", id, "report" | "flush")  -> ("cache", id, report)
+    anything that fails otherwise      -> ("error", id, "Type: message")
+
+`kind` names the batcher's exception (`REFUSALS`). A connection is greeted
+with ("ready", ModelDescription) once the model is built, or ("failed",
+reason) if it could not be; after that the process pushes ("queue",
+expected_wait_ms, queued_requests, queued_candidates, cache_report) whenever
+the queue changes, at most every `state_interval_s`, so that each HTTP
+process can refuse what the queue cannot answer in time before reading it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+from collections.abc import Callable
+
+from ikbo_jax.data import RequestError
+from ikbo_jax.models import Build, RankerConfig
+from ikbo_jax.serving import frames
+from ikbo_jax.serving.batcher import Batcher, BatchingConfig, DeadlineExceeded, Overloaded
+from ikbo_jax.serving.buckets import Bucket
+from ikbo_jax.serving.cached import CachedModel
+from ikbo_jax.serving.metrics import ServingMetrics
+from ikbo_jax.serving.scorer import Scorer
+
+_LOG = logging.getLogger(__name__)
+
+REFUSALS = {"request": RequestError, "overloaded": Overloaded, "deadline": DeadlineExceeded}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDescription:
+  """What an HTTP process needs to know of the model: to decode bodies, and for `/health`."""
+
+  config: RankerConfig
+  build: Build
+  buckets: tuple[Bucket, ...]
+  has_cache: bool
+
+  @classmethod
+  def of(cls, model: Scorer) -> ModelDescription:
+    return cls(model.config, model.build, tuple(model.buckets), isinstance(model, CachedModel))
+
+
+class ModelServer:
+  """Serves `build_model()`'s model on the Unix socket at `path` until SIGTERM or `stop()`.
+
+  If the model cannot be built, `serve` returns at once with the reason in `failed`.
+  """
+
+  state_interval_s = 0.002
+
+  def __init__(self, path: str, build_model: Callable[[], Scorer], batching: BatchingConfig):
+    self.path, self._build_model, self._batching = path, build_model, batching
+    self._writers: set[asyncio.StreamWriter] = set()
+    self._model_ready = asyncio.Event()
+    self._stopping = asyncio.Event()
+    self.description: ModelDescription | None = None
+    self.failed: str | None = None
+    self.batcher: Batcher | None = None
+    self.model: Scorer | None = None
+
+  def stop(self) -> None:
+    self._stopping.set()
+
+  async def serve(self) -> None:
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(self.path)  # the socket of a process this one replaces
+    server = await asyncio.start_unix_server(self._connection, path=self.path)
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(RuntimeError, ValueError):  # not the main thread (tests)
+      loop.add_signal_handler(signal.SIGTERM, self.stop)
+    metrics = ServingMetrics()
+    async with server, contextlib.AsyncExitStack() as stack:
+      try:
+        self.model = await asyncio.to_thread(self._build_model)
+        self.batcher = await stack.enter_async_context(
+            Batcher(self.model, self._batching, on_batch=metrics.observe_batch))
+        self.description = ModelDescription.of(self.model)
+      except Exception as e:  # every HTTP process reports it on its probes, in one line
+        self.failed = f"{type(e).__name__}: {e}"
+        _LOG.error("the model could not be started: %s", self.failed)
+      self._model_ready.set()
+      if self.failed:
+        return
+      pushing = asyncio.create_task(self._push_queue_state())
+      await self._stopping.wait()
+      pushing.cancel()
+      for writer in list(self._writers):  # the HTTP processes see it go at once
+        writer.close()
+
+  async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    await self._model_ready.wait()
+    if self.failed:
+      writer.write(frames.encode(("failed", self.failed)))
+      writer.close()
+      return
+    writer.write(frames.encode(("ready", self.description)))
+    self._writers.add(writer)
+    tasks: set[asyncio.Task] = set()
+    try:
+      while (message := await frames.read(reader)) is not None:
+        task = asyncio.create_task(self._answer(message, writer))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    except (frames.FrameError, ConnectionError) as e:
+      _LOG.warning("an HTTP process's connection failed: %s", e)
+    finally:
+      self._writers.discard(writer)
+      writer.close()
+
+  async def _answer(self, message: tuple, writer: asyncio.StreamWriter) -> None:
+    kind, request_id, *rest = message
+    try:
+      if kind == "score":
+        request, timeout_ms = rest
+        reply = ("scores", request_id, await self.batcher.score(request, timeout_ms))
+      elif kind == "cache" and isinstance(self.model, CachedModel):
+        if rest == ["flush"]:
+          await asyncio.to_thread(self.model.flush)
+        reply = ("cache", request_id, self.model.report())
+      else:
+        raise ValueError(f"no such message: {kind!r} {rest!r}")
+    except tuple(REFUSALS.values()) as e:
+      name = next(k for k, cls in REFUSALS.items() if isinstance(e, cls))
+      reply = ("refused", request_id, name, str(e))
+    except Exception as e:  # a defect of ours: the HTTP process answers 500 and logs it
+      reply = ("error", request_id, f"{type(e).__name__}: {e}")
+    if not writer.is_closing():
+      writer.write(frames.encode(reply))
+
+  def _queue_state(self) -> tuple:
+    batcher = self.batcher
+    cache = self.model.report() if isinstance(self.model, CachedModel) else None
+    return ("queue", batcher.expected_wait_ms, batcher.queued_requests,
+            batcher.queued_candidates, cache)
+
+  async def _push_queue_state(self) -> None:
+    last = None
+    while True:
+      await asyncio.sleep(self.state_interval_s)
+      state = self._queue_state()
+      if state != last and self._writers:
+        frame = frames.encode(state)
+        for writer in list(self._writers):
+          if not writer.is_closing():
+            writer.write(frame)
+        last = state

@@ -1,0 +1,157 @@
+"""`RemoteBatcher`: an HTTP process's stand-in for the `Batcher` of the model process.
+
+It speaks `serving.model_server`'s messages over the model process's Unix
+socket, and offers the HTTP app what a `Batcher` does: `score`,
+`expected_wait_ms` and the queue's depths (as the model process last pushed
+them, within milliseconds of any change), and `model` (a `ModelDescription`).
+While the model process is gone (it died, and the supervisor starts another),
+`score` raises `ModelUnavailable` (HTTP 503, retry), and the batcher connects
+again in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+
+import numpy as np
+
+from ikbo_jax.data import Request
+from ikbo_jax.serving import frames
+from ikbo_jax.serving.batcher import BatchingConfig, DeadlineExceeded
+from ikbo_jax.serving.model_server import REFUSALS, ModelDescription
+
+
+class ModelUnavailable(RuntimeError):
+  """The model process cannot be reached now (it is starting, or being replaced); retry."""
+
+
+class RemoteBatcher:
+  """The model process's batcher, seen from an HTTP process. An async context manager."""
+
+  reconnect_s = 0.05
+  # Past its deadline the model process answers by itself; this much longer, the HTTP
+  # process stops waiting for a model process that hangs.
+  answer_grace_s = 1.0
+
+  def __init__(self, path: str, config: BatchingConfig):
+    self.path, self.config = path, config
+    self.model: ModelDescription | None = None
+    self.failed: str | None = None
+    self._writer: asyncio.StreamWriter | None = None
+    self._pending: dict[int, asyncio.Future] = {}
+    self._ids = itertools.count()
+    self._queue = (0.0, 0, 0, None)
+    self._greeted = asyncio.Event()
+    self._task: asyncio.Task | None = None
+
+  async def __aenter__(self) -> RemoteBatcher:
+    self._task = asyncio.create_task(self._run())
+    return self
+
+  async def __aexit__(self, *exc) -> None:
+    self._task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+      await self._task
+
+  async def ready(self) -> ModelDescription:
+    """The model's description once the model process has built it; raises if it failed."""
+    await self._greeted.wait()
+    if self.failed:
+      raise RuntimeError(f"the model process could not start the model: {self.failed}")
+    return self.model
+
+  @property
+  def expected_wait_ms(self) -> float:
+    return self._queue[0]
+
+  @property
+  def queued_requests(self) -> int:
+    return self._queue[1]
+
+  @property
+  def queued_candidates(self) -> int:
+    return self._queue[2]
+
+  @property
+  def cache_report(self) -> dict | None:
+    """The user-state cache's report as last pushed (None without a cache)."""
+    return self._queue[3]
+
+  async def score(self, request: Request, timeout_ms: float | None = None) -> np.ndarray:
+    """As `Batcher.score`; raises `ModelUnavailable` while the model process is gone."""
+    timeout_ms = timeout_ms or self.config.default_timeout_ms
+    return await self._ask("score", request, timeout_ms, wait_s=timeout_ms / 1e3)
+
+  async def cache(self, action: str) -> dict:
+    """The cache's report, after emptying it where `action` is "flush"."""
+    return await self._ask("cache", action, wait_s=self.config.default_timeout_ms / 1e3)
+
+  async def _ask(self, kind: str, *args, wait_s: float):
+    writer = self._writer
+    if writer is None or writer.is_closing():
+      raise ModelUnavailable("the model process is not reachable now (starting or being "
+                             "replaced); retry")
+    request_id = next(self._ids)
+    future = asyncio.get_running_loop().create_future()
+    self._pending[request_id] = future
+    try:
+      writer.write(frames.encode((kind, request_id, *args)))
+      return await asyncio.wait_for(future, wait_s + self.answer_grace_s)
+    except TimeoutError:
+      raise DeadlineExceeded("the model process did not answer within the request's "
+                             "deadline") from None
+    finally:
+      self._pending.pop(request_id, None)
+
+  async def _run(self) -> None:
+    """Connects, reads answers, and connects again whenever the model process goes away."""
+    while True:
+      try:
+        reader, writer = await asyncio.open_unix_connection(self.path)
+      except (FileNotFoundError, ConnectionRefusedError):
+        await asyncio.sleep(self.reconnect_s)
+        continue
+      try:
+        await self._serve_connection(reader, writer)
+        if self.failed:
+          return
+      except (frames.FrameError, ConnectionError):
+        pass
+      finally:
+        self._writer = None
+        self._queue = (0.0, 0, 0, self._queue[3])
+        writer.close()
+        lost = ModelUnavailable("the model process went away before it answered; retry")
+        for future in self._pending.values():
+          if not future.done():
+            future.set_exception(lost)
+      await asyncio.sleep(self.reconnect_s)
+
+  async def _serve_connection(self, reader, writer) -> None:
+    greeting = await frames.read(reader)
+    if greeting is None:
+      return
+    if greeting[0] == "failed":
+      self.failed = greeting[1]
+    else:
+      self.model, self._writer = greeting[1], writer
+    self._greeted.set()
+    while not self.failed and (message := await frames.read(reader)) is not None:
+      self._dispatch(message)
+
+  def _dispatch(self, message: tuple) -> None:
+    kind = message[0]
+    if kind == "queue":
+      self._queue = message[1:]
+      return
+    future = self._pending.get(message[1])
+    if future is None or future.done():  # its caller stopped waiting
+      return
+    if kind in ("scores", "cache"):
+      future.set_result(message[2])
+    elif kind == "refused":
+      future.set_exception(REFUSALS[message[2]](message[3]))
+    else:
+      future.set_exception(RuntimeError(f"the model process failed: {message[2]}"))
