@@ -247,3 +247,33 @@ def test_a_checkpoint_that_cannot_be_served_stops_the_whole_server(tmp_path):
   assert result.returncode == 1, result.stderr[-2000:]
   assert f"cannot serve {tmp_path / 'none'}" in result.stderr
   assert "cannot serve this command line" in result.stderr
+
+
+def test_a_killed_supervisor_leaves_no_process_behind():
+  port = free_port()
+  log = tempfile.TemporaryFile()
+  server = subprocess.Popen(
+      [sys.executable, "-m", "ikbo_jax.serving", "--preset", "small", "--port", str(port),
+       "--http-processes", "2", "--drain-seconds", "2"],
+      stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  try:
+    _wait_for(lambda: b"model process" in (log.seek(0) or log.read()), 120,
+              "the server did not start its processes", log)
+    log.seek(0)
+    pids = [int(p) for p in re.search(rb"HTTP processes \[(\d+), (\d+)\], model process (\d+)",
+                                      log.read()).groups()]
+    server.kill()
+    server.wait()
+
+    def gone(pid):
+      try:
+        os.kill(pid, 0)
+      except ProcessLookupError:
+        return True
+      with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited
+        return stat.read().split(")")[-1].split()[0] == "Z"
+
+    _wait_for(lambda: all(gone(p) for p in pids), 60, "children outlived the supervisor", log)
+  finally:
+    if server.poll() is None:
+      server.kill()

@@ -58,15 +58,17 @@ class ModelDescription:
 
 
 class ModelServer:
-  """Serves `build_model()`'s model on the Unix socket at `path` until SIGTERM or `stop()`.
+  """Serves `build_model()`'s model on the Unix socket at `path` until `stop_signal` or `stop()`.
 
   If the model cannot be built, `serve` returns at once with the reason in `failed`.
   """
 
   state_interval_s = 0.002
 
-  def __init__(self, path: str, build_model: Callable[[], Scorer], batching: BatchingConfig):
+  def __init__(self, path: str, build_model: Callable[[], Scorer], batching: BatchingConfig,
+               stop_signal: int = signal.SIGTERM):
     self.path, self._build_model, self._batching = path, build_model, batching
+    self._stop_signal = stop_signal
     self._writers: set[asyncio.StreamWriter] = set()
     self._model_ready = asyncio.Event()
     self._stopping = asyncio.Event()
@@ -84,7 +86,7 @@ class ModelServer:
     server = await asyncio.start_unix_server(self._connection, path=self.path)
     loop = asyncio.get_running_loop()
     with contextlib.suppress(RuntimeError, ValueError):  # not the main thread (tests)
-      loop.add_signal_handler(signal.SIGTERM, self.stop)
+      loop.add_signal_handler(self._stop_signal, self.stop)
     metrics = ServingMetrics()
     async with server, contextlib.AsyncExitStack() as stack:
       try:

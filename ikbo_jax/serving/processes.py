@@ -22,7 +22,9 @@ than `MAX_RESTARTS` times a minute, or a model process that cannot start its
 model (a checkpoint that does not verify), stops the server with exit status 1.
 On SIGTERM or SIGINT the HTTP processes drain first (each answers its share of
 the accept queue 503 and finishes what is in flight, `draining.py`), then the
-model process stops.
+model process stops (it ignores both signals, which a terminal or a service
+manager may send the whole group, and stops on the supervisor's SIGUSR1). A
+child whose supervisor is gone (killed) stops as on SIGTERM.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from multiprocessing.connection import wait
 
@@ -44,34 +47,54 @@ from ikbo_jax.serving import frames
 
 MAX_RESTARTS = 5  # in any minute, per role
 LAUNCH_FAILED = 3  # the model process's exit status when the model cannot be served
+STOP_MODEL = signal.SIGUSR1  # the supervisor's word to the model process
 
 
-def run_model_process(args: argparse.Namespace, path: str) -> None:
+def _exit_with_parent(sig: int, parent: int) -> None:
+  """Sends this process `sig` once its parent, the supervisor (pid `parent`, passed in: it
+  may be gone before this process has imported its modules), is gone: no orphan keeps the
+  port, the socket or the device."""
+
+  def watch():
+    while os.getppid() == parent:
+      time.sleep(0.5)
+    os.kill(os.getpid(), sig)
+
+  threading.Thread(target=watch, daemon=True, name="ikbo-parent-watch").start()
+
+
+def run_model_process(args: argparse.Namespace, path: str, supervisor: int) -> None:
   """The model process's main: builds the model and serves it on `path`."""
   import asyncio
 
   from ikbo_jax.serving import launch
   from ikbo_jax.serving.model_server import ModelServer
 
-  # A terminal's Ctrl-C reaches every process of its group: this one stops when the
-  # supervisor says, after the HTTP processes have drained.
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  # A terminal's Ctrl-C, or a service manager's SIGTERM, may reach every process of the
+  # group: this one stops only when the supervisor says (SIGUSR1), after the HTTP processes
+  # have drained, or when the supervisor is gone.
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, signal.SIG_IGN)
+  _exit_with_parent(STOP_MODEL, supervisor)
   try:
     ranker = launch.load_ranker(args)
   except launch.LaunchError as e:
     print(f"model process: {e}", file=sys.stderr, flush=True)
     sys.exit(LAUNCH_FAILED)
-  server = ModelServer(path, launch.model_builder(args, ranker), launch.batching(args))
+  server = ModelServer(path, launch.model_builder(args, ranker), launch.batching(args),
+                       stop_signal=STOP_MODEL)
   asyncio.run(server.serve())
   if server.failed:
     sys.exit(LAUNCH_FAILED)
 
 
-def run_http_process(args: argparse.Namespace, listener: socket.socket, path: str) -> None:
+def run_http_process(args: argparse.Namespace, listener: socket.socket, path: str,
+                     supervisor: int) -> None:
   """An HTTP process's main: an app on the shared `listener` for the model process at `path`."""
   os.environ["JAX_PLATFORMS"] = "cpu"  # the device belongs to the model process
   from ikbo_jax.serving import launch
 
+  _exit_with_parent(signal.SIGTERM, supervisor)
   launch.http_server(args, model_process=path).run(sockets=[listener])
 
 
@@ -106,9 +129,10 @@ class Supervisor:
 
   def _start(self, role: str) -> multiprocessing.Process:
     if role == "model":
-      target, process_args = run_model_process, (self.args, self.path)
+      target, process_args = run_model_process, (self.args, self.path, os.getpid())
     else:
-      target, process_args = run_http_process, (self.args, self.listener, self.path)
+      target, process_args = run_http_process, (self.args, self.listener, self.path,
+                                                os.getpid())
     process = self._context.Process(target=target, args=process_args, name=f"ikbo-{role}")
     process.start()
     return process
@@ -148,11 +172,12 @@ class Supervisor:
   def _stop(self) -> None:
     """HTTP processes drain (SIGTERM) while the model answers them; then the model stops."""
     budget = self.args.drain_seconds + 10  # the accept queue's drain, then in-flight requests
-    for group in (getattr(self, "http", []), [getattr(self, "model", None)]):
+    for group, sig in ((getattr(self, "http", []), signal.SIGTERM),
+                       ([getattr(self, "model", None)], STOP_MODEL)):
       group = [p for p in group if p is not None and p.is_alive()]
       for process in group:
         with contextlib.suppress(ProcessLookupError):
-          os.kill(process.pid, signal.SIGTERM)
+          os.kill(process.pid, sig)
       deadline = time.monotonic() + budget
       for process in group:
         process.join(max(0.0, deadline - time.monotonic()))
