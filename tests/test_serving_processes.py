@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 
+import httpx
 import numpy as np
 import pytest
 
@@ -196,7 +197,7 @@ def test_a_server_of_several_processes_through_its_faults():
   log = tempfile.TemporaryFile()
   server = subprocess.Popen(
       [sys.executable, "-m", "ikbo_jax.serving", "--preset", "small", "--port", str(port),
-       "--http-processes", "2", "--drain-seconds", "5"],
+       "--http-processes", "2", "--drain-seconds", "5", "--cache-mb", "16"],
       stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   pool = concurrent.futures.ThreadPoolExecutor(8)
   try:
@@ -205,19 +206,27 @@ def test_a_server_of_several_processes_through_its_faults():
     started = re.search(rb"HTTP processes \[(\d+), (\d+)\], model process (\d+)", log.read())
     http_pids, model_pid = [int(p) for p in started.groups()[:2]], int(started.group(3))
 
-    # Answers checked against the model, from both HTTP processes' share of 32 connections.
-    answers = list(pool.map(lambda r: _post(url, r), requests))
-    assert [status for status, _ in answers] == [200] * len(requests)
-    for (_, got), want in zip(answers, expected):
-      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    assert _scrape_count(url) == len(requests)  # every process's count, from either one
+    # Answers checked against the model, from both HTTP processes' share of 32 connections,
+    # twice: the second time every user's state comes from the one cache.
+    for _ in range(2):
+      answers = list(pool.map(lambda r: _post(url, r), requests))
+      assert [status for status, _ in answers] == [200] * len(requests)
+      for (_, got), want in zip(answers, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    cache = httpx.get(f"{url}/cache", timeout=10).json()
+    assert cache["hits"] >= len(requests) and cache["entries"] > 0, cache
+    flushed = httpx.post(f"{url}/cache/flush", json={}, timeout=10).json()
+    assert flushed["entries"] == 0, flushed
+    assert _scrape_count(url) == 2 * len(requests)  # every process's count, from either one
+    assert re.search(rb"^ikbo_cache_hits_total [1-9]", httpx.get(f"{url}/metrics").content,
+                     re.M)
 
     # A killed HTTP process: the other answers meanwhile, and another takes its place.
     os.kill(http_pids[0], signal.SIGKILL)
     assert [_post(url, r)[0] for r in requests[:8]] == [200] * 8
     _wait_for(lambda: b"the http process" in (log.seek(0) or log.read()), 30,
               "the killed HTTP process was not replaced", log)
-    assert _scrape_count(url) == len(requests) + 8  # the dead process's count is kept
+    assert _scrape_count(url) == 2 * len(requests) + 8  # the dead process's count is kept
 
     # A killed model process: 503 (retry) until another has compiled, then answers again.
     os.kill(model_pid, signal.SIGKILL)
