@@ -93,7 +93,8 @@ def main(argv=None) -> None:
   parser.add_argument("--http-processes", type=int, default=1,
                       help="processes reading and decoding requests; with more than 1, the "
                            "model runs in a process of its own that they all feed "
-                           "(ikbo_jax.serving.processes)")
+                           "(ikbo_jax.serving.processes), and the connection and body limits "
+                           "above hold per HTTP process")
   parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
   parser.add_argument("--port", type=int, default=8000, help="port to listen on")
   args = parser.parse_args(argv)

@@ -109,10 +109,14 @@ class Supervisor:
 
   def run(self) -> int:
     args = self.args
+    try:
+      self.listener = socket.create_server((args.host, args.port), backlog=args.backlog)
+    except OSError as e:
+      print(f"cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr, flush=True)
+      return 1
     metrics_dir = tempfile.mkdtemp(prefix="ikbo-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before any child imports it
     self.path = frames.private_socket_path()
-    self.listener = socket.create_server((args.host, args.port), backlog=args.backlog)
     for sig in (signal.SIGTERM, signal.SIGINT):
       signal.signal(sig, lambda *_: setattr(self, "_stopping", True))
     try:
@@ -123,7 +127,6 @@ class Supervisor:
       return self._supervise()
     finally:
       self._stop()
-      self.listener.close()
       shutil.rmtree(metrics_dir, ignore_errors=True)
       shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
 
@@ -171,6 +174,9 @@ class Supervisor:
 
   def _stop(self) -> None:
     """HTTP processes drain (SIGTERM) while the model answers them; then the model stops."""
+    # The port closes with the last HTTP process's copy of the socket, as with one process,
+    # not later with this one's: a connection queued after the drain would be reset.
+    self.listener.close()
     budget = self.args.drain_seconds + 10  # the accept queue's drain, then in-flight requests
     for group, sig in ((getattr(self, "http", []), signal.SIGTERM),
                        ([getattr(self, "model", None)], STOP_MODEL)):
