@@ -17,10 +17,11 @@ import time
 import httpx
 
 
-def start(src: str, port: int) -> subprocess.Popen:
-  """The server of checkout `src` on loopback `port`, returned once it reports ready."""
+def start(src: str, port: int, server_args: tuple[str, ...] = ()) -> subprocess.Popen:
+  """The server of checkout `src` on loopback `port` (with `server_args`), once it is ready."""
   env = dict(os.environ, PYTHONPATH=os.path.abspath(src), JAX_PLATFORMS="cpu")
-  server = subprocess.Popen([sys.executable, "-m", "ikbo_jax.serving", "--port", str(port)],
+  server = subprocess.Popen([sys.executable, "-m", "ikbo_jax.serving", "--port", str(port),
+                             *server_args],
                             cwd=src, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
   with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:

@@ -44,6 +44,7 @@ def main() -> None:
   parser.add_argument("--clients", type=int, default=64)
   parser.add_argument("--after", type=float, default=5.0, help="seconds of load before SIGTERM")
   parser.add_argument("--src", default=".", help="the checkout whose server runs")
+  parser.add_argument("--http-processes", type=int, default=1, help="the server's")
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
   sys.path.insert(0, os.path.abspath(args.src))
@@ -53,7 +54,8 @@ def main() -> None:
   from ikbo_jax.testing.loopback import free_port
 
   port = free_port()
-  server = served_checkout.start(args.src, port)
+  server = served_checkout.start(args.src, port,
+                                 ("--http-processes", str(args.http_processes)))
   body = bodies.encode(ClickGenerator(RankerConfig(), seed=0).request(0))
   request = (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
              b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
@@ -78,7 +80,7 @@ def main() -> None:
   for t in threads:
     t.join(timeout=60)
   exit_code = server.wait(timeout=60)
-  result = dict(clients=args.clients, before_sigterm=before_signal, all=dict(outcomes),
+  result = dict(clients=args.clients, http_processes=args.http_processes, before_sigterm=before_signal, all=dict(outcomes),
                 lost=sum(n for k, n in outcomes.items()
                          if k in ("reset", "closed_unanswered", "timeout")),
                 server_exit=exit_code)

@@ -65,7 +65,7 @@ def _exit_with_parent(sig: int, parent: int) -> None:
 
 def run_model_process(args: argparse.Namespace, path: str, supervisor: int) -> None:
   """The model process's main: builds the model and serves it on `path`."""
-  import asyncio
+  import uvloop  # the event loop uvicorn runs in the HTTP processes
 
   from ikbo_jax.serving import launch
   from ikbo_jax.serving.model_server import ModelServer
@@ -83,7 +83,7 @@ def run_model_process(args: argparse.Namespace, path: str, supervisor: int) -> N
     sys.exit(LAUNCH_FAILED)
   server = ModelServer(path, launch.model_builder(args, ranker), launch.batching(args),
                        stop_signal=STOP_MODEL)
-  asyncio.run(server.serve())
+  uvloop.run(server.serve())
   if server.failed:
     sys.exit(LAUNCH_FAILED)
 
