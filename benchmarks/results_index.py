@@ -61,6 +61,9 @@ PRODUCERS = {
     "ncu": "Nsight Compute (benchmarks/gpu_run.sh attention_ncu)",
     "nvidia_smi": "nvidia-smi (benchmarks/gpu_run.sh)",
     "old_code_repro": "a reproduction on the code before a fix",
+    "sigterm_under_load": "tools/sigterm_under_load.py",
+    "http_front": "benchmarks/http_front.py",
+    "model_process_cost": "benchmarks/model_process_cost.py",
 }
 # Where citations are looked for.
 CITING = ("README.md", "docs/*.md", "notebooks/*.py", "benchmarks/*.py", "benchmarks/*.sh",
