@@ -70,6 +70,22 @@ def test_a_request_and_its_scores_cross_the_socket_unchanged(as_lists):
     frames.decode(b"X" + frame[5:])
 
 
+def test_a_broken_stream_is_a_frame_error_and_a_clean_close_is_none():
+  async def read(data: bytes):
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    return await frames.read(reader)
+
+  frame = frames.encode(("queue", 0.0, 0, 0, None))
+  assert asyncio.run(read(frame)) == ("queue", 0.0, 0, 0, None)
+  assert asyncio.run(read(b"")) is None
+  for broken, says in ((frame[:2], "length"), (frame[:-1], "inside a frame"),
+                       (b"\xff\xff\xff\xff", "past the bound")):
+    with pytest.raises(frames.FrameError, match=says):
+      asyncio.run(read(broken))
+
+
 def test_the_model_process_answers_as_its_batcher_does():
   config = BatchingConfig(max_queued_candidates=40, default_timeout_ms=2000)
   requests = some_requests(12)
