@@ -74,13 +74,21 @@ def main() -> None:
                                   ("original64", fn, jnp.float64), ("rewritten64", fast, jnp.float64))}
   for k, truth in enumerate(grads["original64"]):
     truth = np.asarray(truth, np.float64)
-    scale = max(float(np.abs(truth).max()), 1e-30)
-    err = {n: float(np.abs(np.asarray(g[k], np.float64) - truth).max()) / scale
-           for n, g in grads.items() if n != "original64"}
-    if any(err.values()):
-      print(f"gradient {k} {truth.shape} (max |g| {scale:.3g}): float32 error original "
-            f"{err['original32']:.2e}, rewritten {err['rewritten32']:.2e}; float64 rewritten vs "
-            f"original {err['rewritten64']:.2e}")
+    finite = np.isfinite(truth)  # errors are taken where the float64 original is finite
+    scale = max(float(np.abs(truth[finite]).max(initial=0.0)), 1e-30)
+    err, pattern = {}, {}
+    for n, g in grads.items():
+      if n != "original64":
+        g = np.asarray(g[k], np.float64)
+        err[n] = float(np.abs(g[finite] - truth[finite]).max(initial=0.0)) / scale
+        pattern[n] = "same" if (np.array_equal(np.isnan(g), np.isnan(truth)) and np.array_equal(
+            np.where(np.isinf(g), g, 0), np.where(np.isinf(truth), truth, 0))) else "differs"
+    if any(err.values()) or not finite.all():
+      print(f"gradient {k} {truth.shape} (max finite |g| {scale:.3g}, {int((~finite).sum())} "
+            f"non-finite): float32 error original {err['original32']:.2e}, rewritten "
+            f"{err['rewritten32']:.2e}; float64 rewritten vs original {err['rewritten64']:.2e}; "
+            f"non-finite entries vs the float64 original: original32 {pattern['original32']}, "
+            f"rewritten32 {pattern['rewritten32']}, rewritten64 {pattern['rewritten64']}")
 
 
 if __name__ == "__main__":
