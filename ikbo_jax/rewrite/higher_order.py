@@ -7,8 +7,8 @@ Each is entered only in a way that keeps what it means:
   on the same lazy operands (at read rows, `read_rows.py`) and tangents
   (unread rows zero). It is used only where the rule's results have the same
   form as the primal's (a broadcast's tangent is a broadcast by the same
-  index), so the tangent at B is exactly the user's rule's tangent; otherwise, and for rules with symbolic zeros, the call runs
-  as written.
+  index), so the tangent at B is exactly the user's rule's tangent; otherwise,
+  and for rules with symbolic zeros, the call runs as written.
 * `custom_vjp`: the user's backward takes cotangents at B, which the rewritten
   call could not give it, so the call runs as written.
 * `checkpoint` (`jax.checkpoint`, `nnx.remat`): the body is rewritten and

@@ -160,22 +160,23 @@ def materialize(v) -> jax.Array:
   return v.value if isinstance(v, Plain) else v.materialize()
 
 
+def _each_broadcast(v, fn):
+  """`v` with `fn` applied to each of its broadcasts (itself, or a concatenation's parts)."""
+  if isinstance(v, Broadcast):
+    return fn(v)
+  if isinstance(v, Concat):
+    return Concat(tuple(_each_broadcast(p, fn) for p in v.parts), v.ids, v.dimension)
+  return v
+
+
 def at_read_rows(v):
   """`v` with every unread user row of its broadcasts replaced by a read one."""
-  if isinstance(v, Broadcast):
-    return v.at_read_rows()
-  if isinstance(v, Concat):
-    return Concat(tuple(at_read_rows(p) for p in v.parts), v.ids, v.dimension)
-  return v
+  return _each_broadcast(v, Broadcast.at_read_rows)
 
 
 def read_rows_only(v):
   """A tangent `v` with every unread user row of its broadcasts zero."""
-  if isinstance(v, Broadcast):
-    return v.read_rows_only()
-  if isinstance(v, Concat):
-    return Concat(tuple(read_rows_only(p) for p in v.parts), v.ids, v.dimension)
-  return v
+  return _each_broadcast(v, Broadcast.read_rows_only)
 
 
 def at_b(v) -> bool:
