@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -125,7 +126,7 @@ def create_app(model: Scorer | Callable[[], Scorer] | None,
 
   @contextlib.asynccontextmanager
   async def lifespan(app: Starlette):
-    app.state.batcher = app.state.model = app.state.failed = None
+    app.state.batcher = app.state.model = app.state.failed = app.state.cache = None
     async with contextlib.AsyncExitStack() as stack:
       async def start():
         if model_process is not None:
@@ -133,12 +134,14 @@ def create_app(model: Scorer | Callable[[], Scorer] | None,
           served = await batcher.ready()
           if served.has_cache:
             metrics.watch_cache(lambda: batcher.cache_report)
+            app.state.cache = batcher.cache
         else:
           served = model if isinstance(model, Scorer) else await asyncio.to_thread(model)
           batcher = await stack.enter_async_context(
               Batcher(served, batching, on_batch=metrics.observe_batch))
           if isinstance(served, CachedModel):
             metrics.watch_cache(served.report)
+            app.state.cache = functools.partial(_local_cache, served)
         metrics.watch_queue(lambda: batcher.queued_requests, lambda: batcher.queued_candidates)
         app.state.model, app.state.batcher = served, batcher
 
@@ -254,21 +257,23 @@ def _ready(http_request: HttpRequest) -> JSONResponse:
   return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
 
 
-async def _cache_report(http_request: HttpRequest, flush: bool) -> dict:
-  state = http_request.app.state
-  model = state.model
-  if model is None:
-    raise Refusal(503, "the model is still compiling; retry later", retry=True)
-  if isinstance(state.batcher, RemoteBatcher) and model.has_cache:
-    try:
-      return await state.batcher.cache("flush" if flush else "report")
-    except ModelUnavailable as e:
-      raise Refusal(503, str(e), retry=True) from None
-  if not isinstance(model, CachedModel):
-    raise Refusal(404, "this server runs without a user-state cache (see --cache-mb)")
-  if flush:
+async def _local_cache(model: CachedModel, action: str) -> dict:
+  """`RemoteBatcher.cache` for a cache in this process: its report, after a flush if asked."""
+  if action == "flush":
     await asyncio.to_thread(model.flush)
   return model.report()
+
+
+async def _cache_report(http_request: HttpRequest, flush: bool) -> dict:
+  state = http_request.app.state
+  if state.model is None:
+    raise Refusal(503, "the model is still compiling; retry later", retry=True)
+  if state.cache is None:
+    raise Refusal(404, "this server runs without a user-state cache (see --cache-mb)")
+  try:
+    return await state.cache("flush" if flush else "report")
+  except ModelUnavailable as e:
+    raise Refusal(503, str(e), retry=True) from None
 
 
 async def _cache(http_request: HttpRequest) -> JSONResponse:
