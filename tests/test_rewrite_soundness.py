@@ -313,6 +313,22 @@ def test_an_unread_row_adds_nothing_to_an_infinite_gradient():
   check_rewrite(model, args, mapping=1, users=0)
 
 
+# Defect (found by the property test, seed 50354): each op differentiated at U gathered its
+# operands by `rows`, so a chain of ops (gelu's, here, rematerialized by `jax.checkpoint`)
+# fused into gathers of gathers, which XLA's CPU compiler failed on ("Unknown MLIR
+# failure") when the mapping was a compile-time constant. The replacement is now a `where`.
+def test_a_chain_of_ops_at_u_compiles_under_a_constant_mapping():
+  def model(user, ids, cand):
+    return jax.checkpoint(jax.nn.gelu)(user[ids]) + cand
+  ids = np.full(7, 1, np.int32)
+  user, cand = _normal(0, 2, 8), _normal(1, 7, 8)
+  fast = rewrite.rewrite(model, mapping=1, users=0)
+
+  def grad_of(fn):
+    return jax.jit(jax.grad(lambda u: jnp.sum(jnp.sin(fn(u, ids, cand)))))(user)
+  np.testing.assert_allclose(grad_of(fast), grad_of(model), rtol=1e-5, atol=1e-6)
+
+
 # Slowness: the rows above were once replaced before the work at U ran (a scatter
 # marking the rows read, then a gather), in every call, differentiated or not;
 # on small programs that cost more than the work moved to U saved. The

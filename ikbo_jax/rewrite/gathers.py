@@ -123,7 +123,7 @@ def _exact_ids(ids, num_users: int, mode):
   """`(ids, rows)` for the user rows with `_extra_rows` appended under `mode`.
 
   Out-of-range ids point at the extra rows; `rows` picks, for each of those
-  user rows, itself if some candidate reads it, else the row candidate 0 reads.
+  user rows, itself if some candidate reads it, else the first row read.
   """
   ids = ids.astype(jnp.int32)
   if mode == GatherScatterMode.CLIP:
@@ -138,11 +138,12 @@ def _exact_ids(ids, num_users: int, mode):
 
 
 def _read_rows(ids, num_rows: int):
-  """`int[num_rows]`: each row itself if some of `ids` (all in range) reads it, else `ids[0]`'s."""
+  """`int[num_rows]`: each row itself if some of `ids` (all in range) reads it, else the first
+  row read; so `rows[0]` is the first row read (`read_rows.at_read_rows` takes it from there)."""
   if ids.shape[0] == 0:
     return jnp.arange(num_rows, dtype=jnp.int32)
   read = jnp.zeros((num_rows,), jnp.bool_).at[ids].set(True, unique_indices=False)
-  return jnp.where(read, jnp.arange(num_rows, dtype=jnp.int32), ids[0])
+  return jnp.where(read, jnp.arange(num_rows, dtype=jnp.int32), jnp.argmax(read).astype(jnp.int32))
 
 
 def _extra_rows(eqn, value, mode) -> list:

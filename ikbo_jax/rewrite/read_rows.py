@@ -57,27 +57,39 @@ def bind(eqn, fn, arrays, row_axes, rows):
     # partial taken at another row's values (NaN where that partial is infinite), is
     # dropped rather than added anywhere. The value comes at the read rows as well: it
     # differs from `fn(*xs)` only on rows nothing reads, and the op runs once.
-    at_read = [_at_rows(x, rows, axis) for x, axis in zip(xs, row_axes)]
+    at_read = [at_read_rows(x, rows, axis) for x, axis in zip(xs, row_axes)]
     read_only = [masked_tangent(t, rows, axis) for t, axis in zip(tangents[1:], row_axes)]
     return jax.jvp(fn, at_read, read_only)
 
   return call(rows, *arrays)
 
 
-def _at_rows(x, rows, axis):
+def at_read_rows(x, rows, axis):
+  """`x` with every row that no candidate reads replaced by the first read row, `rows[0]`.
+
+  A `where` with one row, not a gather by `rows`: the same values, and a chain of
+  such ops differentiated one after another fuses without gathers of gathers (which
+  XLA's CPU fusion emitter has failed to compile).
+  """
   if axis is None or x.dtype == jax.dtypes.float0:
     return x
-  return jnp.take(x, rows, axis=axis, mode="clip")
+  first_read = jax.lax.dynamic_index_in_dim(x, rows[0], axis, keepdims=True)
+  return jnp.where(_read_mask(rows, x.ndim, axis), x, first_read)
 
 
 def masked_tangent(t, rows, axis):
   """`t` with the rows that no candidate reads set to zero (`rows[r] != r`)."""
   if axis is None or t.dtype == jax.dtypes.float0:
     return t
+  return jnp.where(_read_mask(rows, t.ndim, axis), t, jnp.zeros((), t.dtype))
+
+
+def _read_mask(rows, ndim: int, axis: int):
+  """`bool`, broadcastable along `axis` of a rank-`ndim` array: whether a candidate reads the row."""
   read = rows == jnp.arange(rows.shape[0], dtype=rows.dtype)
-  shape = [1] * t.ndim
+  shape = [1] * ndim
   shape[axis] = rows.shape[0]
-  return jnp.where(read.reshape(shape), t, jnp.zeros((), t.dtype))
+  return read.reshape(shape)
 
 
 def _differentiable(eqn, arrays) -> bool:

@@ -59,7 +59,8 @@ class Broadcast:
   """`take(user, ids, axis, mode="clip")`: user rows at B; `user.shape[axis]` is U.
 
   `rows`, where set, is `int[U]`: for each user row, itself if some candidate
-  reads it, else a row some candidate reads (see `read_rows.py`).
+  reads it, else the first row some candidate reads, which is `rows[0]` (see
+  `read_rows.py`).
   `levels`, where set, is `(item_to_group, group_to_user)` with `ids =
   group_to_user[item_to_group]` (both in range): the broadcast is a gather of
   a gather, and `item_to_group` is the ids of the broadcasts by the same outer
@@ -92,7 +93,7 @@ class Broadcast:
     """The same broadcast with every unread user row replaced by a read one."""
     if self.rows is None:
       return self
-    return self.like(jnp.take(self.user, self.rows, axis=self.axis, mode="clip"))
+    return self.like(read_rows.at_read_rows(self.user, self.rows, self.axis))
 
   def read_rows_only(self) -> Broadcast:
     """The same broadcast with every unread user row zero: a tangent no unread row feeds."""
