@@ -18,7 +18,8 @@ from flax import nnx
 from ikbo_jax import rewrite
 from ikbo_jax.rewrite import interpreter
 from ikbo_jax.testing.programs import batch_scaled, clip_gradient, straight_through
-from ikbo_jax.testing.rewrite_check import check_rewrite, outputs_and_gradients
+from ikbo_jax.testing.rewrite_check import (assert_same_up_to_order, check_rewrite,
+                                            outputs_and_gradients)
 
 U, B = 3, 10
 IDS = jnp.array([2, 0, 1, 2, 2, 0, 1, 1, 0, 2], jnp.int32)
@@ -327,6 +328,41 @@ def test_a_chain_of_ops_at_u_compiles_under_a_constant_mapping():
   def grad_of(fn):
     return jax.jit(jax.grad(lambda u: jnp.sum(jnp.sin(fn(u, ids, cand)))))(user)
   np.testing.assert_allclose(grad_of(fast), grad_of(model), rtol=1e-5, atol=1e-6)
+
+
+# The contract where the original's gradient is not finite (property-test seed 50247): a
+# moved op's infinite partial (sqrt at 0) meets the sum of a user's cotangents, one of which
+# is zero (candidate 0's feature), where the original meets each: inf * (0 + c) = inf
+# against inf * 0 + inf * c = NaN. The same entries are non-finite; NaN and inf trade places.
+def test_nan_and_infinity_may_trade_places_where_the_original_is_not_finite():
+  def model(user, ids, cand):
+    return jnp.sqrt(user[ids]) * cand
+  user = jnp.zeros((2, 3)).at[1].set(4.0)
+  args = (user, jnp.array([0, 0, 1], jnp.int32),
+          jnp.array([[0.0, 1.0, 2.0], [1.0, 1.0, 1.0], [1.0, 2.0, 3.0]]))
+  want = outputs_and_gradients(model, args)[1][0]
+  got = outputs_and_gradients(rewrite.rewrite(model, mapping=1, users=0), args)[1][0]
+  assert np.isnan(want[0, 0]) and np.isposinf(got[0, 0])
+  check_rewrite(model, args, mapping=1, users=0)
+
+
+@pytest.mark.parametrize("got, want, same", [
+    ([np.inf, 1.0], [np.nan, 1.0], True),
+    ([np.nan, -np.inf], [-np.inf, np.nan], True),
+    ([1.0 + 1e-7, 2.0], [1.0, 2.0], True),
+    ([np.inf, 1.0], [3.0, 1.0], False),  # non-finite where the original is finite
+    ([np.nan, 1.0], [3.0, 1.0], False),
+    ([2.0, 1.0], [np.nan, 1.0], False),  # finite where the original is not
+    ([np.inf, 1.0], [-np.inf, 1.0], False),  # an infinity of the other sign
+    ([1.1, 2.0], [1.0, 2.0], False),
+])
+def test_the_comparison_allows_only_reordering(got, want, same):
+  compare = lambda: assert_same_up_to_order(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+  if same:
+    compare()
+  else:
+    with pytest.raises(AssertionError):
+      compare()
 
 
 # Slowness: the rows above were once replaced before the work at U ran (a scatter
