@@ -16,7 +16,8 @@
 # "cache_soak" (tools/cache_soak.py for SOAK_MINUTES),
 # "overload" (the serving ladder REPEATS times, default 3, then 3x the sustained rates over HTTP:
 # refusals, resets, p99; HTTP_PROCESSES for the server's), "http_front" (the sustained rate over
-# HTTP with 1..8 HTTP processes feeding one model process),
+# HTTP with 1..8 HTTP processes feeding one model process), "http_replicas" (the same with
+# N one-process servers holding a model each: the alternative front),
 # "two_level" (benchmarks/two_level.py, then the two-level sweep cases),
 # "ranker_groups" (the ranker with a group level, IKBO vs standard build: inference and training),
 # "rewrite" (original vs rewritten vs hand-written IKBO code), "fuzz" (the rewrite's property test
@@ -206,6 +207,12 @@ if has http_front; then
   # (HTTP_FRONT_PROCESSES to choose), each run written as it ends.
   timeout "${HTTP_FRONT_TIMEOUT:-560}" python3 -m benchmarks.http_front \
     --http-processes ${HTTP_FRONT_PROCESSES:-1 2 4 8} --out "$OUT/http_front_${TAG}.json" 2>&1 \
+    | grep -v Warning | cut -c1-300 | tail -n 30
+fi
+if has http_replicas; then
+  # The front it was chosen over: N one-process servers with a model each (HTTP_REPLICAS).
+  timeout "${HTTP_FRONT_TIMEOUT:-560}" python3 -m benchmarks.http_front --replicas \
+    --http-processes ${HTTP_REPLICAS:-2 4 8} --out "$OUT/http_replicas_${TAG}.json" 2>&1 \
     | grep -v Warning | cut -c1-300 | tail -n 30
 fi
 if has two_level; then

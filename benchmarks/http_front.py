@@ -13,11 +13,17 @@ or reset. Before the ladder, `--lone` requests one at a time on one keep-alive
 connection give the lone request's latency over HTTP. Every row is written as
 it is measured. The device-bound ceiling these rates are held against is
 `benchmarks/ranking_system.py`'s (`device_bound_qps`: full batches back to back).
+
+With `--replicas`, each N is instead N one-process servers, each with its own
+copy of the model on the device, its own batcher and port, the client processes
+split evenly between them (a round-robin balancer in front, without its cost):
+the front this design was chosen over, measured on the same trace.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -57,12 +63,12 @@ def holds(stats: dict, budget_ms: float) -> bool:
           and stats["sent_qps"] >= 0.95 * stats["offered_qps"] and resets == 0)
 
 
-def ladder(url: str, requests, expected, rates, seconds: float, clients: int,
+def ladder(urls: list[str], requests, expected, rates, seconds: float, clients: int,
            budget_ms: float, tolerance: float) -> tuple[float, list[dict]]:
   """The highest of `rates` held, and every rate's stats, climbing until one fails."""
   held, rows = 0.0, []
   for rate in rates:
-    stats = http_load.over_http(url, requests, qps=rate, max_seconds=seconds,
+    stats = http_load.over_http(urls, requests, qps=rate, max_seconds=seconds,
                                 processes=clients, cycle=True, content_type=bodies.MSGPACK,
                                 expected=expected, score_tolerance=tolerance)
     rows.append(stats)
@@ -75,8 +81,8 @@ def ladder(url: str, requests, expected, rates, seconds: float, clients: int,
   return held, rows
 
 
-def serve(preset: str, http_processes: int, mean_candidates: float, server_args: list[str]):
-  """The server in its own process, ready: (url, process, log)."""
+def start(preset: str, http_processes: int, mean_candidates: float, server_args: list[str]):
+  """A server in its own process, starting: (url, process, log)."""
   port = loopback.free_port()
   log = tempfile.TemporaryFile()
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
@@ -84,9 +90,24 @@ def serve(preset: str, http_processes: int, mean_candidates: float, server_args:
       [sys.executable, "-m", "ikbo_jax.serving", "--preset", preset, "--port", str(port),
        "--mean-candidates", str(mean_candidates), "--http-processes", str(http_processes),
        *server_args], stdout=log, stderr=subprocess.STDOUT, env=env)
-  url = f"http://127.0.0.1:{port}"
-  wait_ready(url, server, log, 900)
-  return url, server, log
+  return f"http://127.0.0.1:{port}", server, log
+
+
+@contextlib.contextmanager
+def serving(preset: str, n: int, replicas: bool, mean_candidates: float, server_args: list[str]):
+  """The urls of one server of `n` HTTP processes, or of `n` one-process replicas, ready;
+  stopped (SIGTERM) on leaving."""
+  started = [start(preset, 1 if replicas else n, mean_candidates, server_args)
+             for _ in range(n if replicas else 1)]
+  try:
+    for url, server, log in started:
+      wait_ready(url, server, log, 900)
+    yield [url for url, _, _ in started]
+  finally:
+    for _, server, _ in started:
+      server.send_signal(signal.SIGTERM)
+    for _, server, _ in started:
+      server.wait(timeout=120)
 
 
 def main() -> None:
@@ -101,11 +122,14 @@ def main() -> None:
   parser.add_argument("--mean-candidates", type=float, default=70.0)
   parser.add_argument("--lone", type=int, default=300, help="requests sent one at a time")
   parser.add_argument("--pool", type=int, default=2000, help="distinct requests cycled through")
+  parser.add_argument("--replicas", action="store_true",
+                      help="N one-process servers with a model each instead of N HTTP processes")
   parser.add_argument("--iterations", type=int, help="ignored (the scripts' common flag)")
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
   if args.small:
-    args.rates, args.seconds_per_rate, args.client_processes = [20, 40], 1.0, 1
+    args.rates, args.seconds_per_rate = [20, 40], 1.0
+    args.client_processes = 2 if args.replicas else 1  # a client per replica
     args.budget_ms = 200.0  # a CPU model call takes tens of milliseconds
     args.http_processes, args.mean_candidates, args.lone, args.pool = [1, 2], 8.0, 20, 60
   preset = "small" if args.small else "benchmark"
@@ -121,20 +145,21 @@ def main() -> None:
   payload = dict(**common.metadata(), preset=preset, budget_p99_ms=args.budget_ms,
                  mean_candidates=args.mean_candidates, client_processes=args.client_processes,
                  seconds_per_rate=args.seconds_per_rate, server_args=server_args,
-                 host_cpus=os.cpu_count(), runs={})
+                 host_cpus=os.cpu_count(),
+                 front="replicas" if args.replicas else "model_process", runs={})
+  what = "replicas" if args.replicas else "HTTP processes"
   for n in args.http_processes:
-    url, server, log = serve(preset, n, args.mean_candidates, server_args)
-    try:
-      row = dict(lone=lone_requests(url, requests, args.lone))
-      print(f"{n} HTTP processes: lone request p50 {row['lone']['p50_ms']:.2f} ms", flush=True)
+    if args.replicas and args.client_processes % n:
+      raise SystemExit(f"--replicas: --client-processes {args.client_processes} must be a "
+                       f"multiple of each N, got N = {n}")
+    with serving(preset, n, args.replicas, args.mean_candidates, server_args) as urls:
+      row = dict(lone=lone_requests(urls[0], requests, args.lone))
+      print(f"{n} {what}: lone request p50 {row['lone']['p50_ms']:.2f} ms", flush=True)
       row["sustained_qps"], row["ladder"] = ladder(
-          url, requests, expected, args.rates, args.seconds_per_rate, args.client_processes,
+          urls, requests, expected, args.rates, args.seconds_per_rate, args.client_processes,
           args.budget_ms, tolerance)
-      row["server"] = server_metrics(url)
-      print(f"{n} HTTP processes: sustained {row['sustained_qps']:.0f}/s", flush=True)
-    finally:
-      server.send_signal(signal.SIGTERM)
-      server.wait(timeout=120)
+      row["server"] = [server_metrics(url) for url in urls]
+      print(f"{n} {what}: sustained {row['sustained_qps']:.0f}/s", flush=True)
     payload["runs"][str(n)] = row
     common.write_json(args.out, payload)
 

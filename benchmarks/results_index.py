@@ -63,6 +63,7 @@ PRODUCERS = {
     "old_code_repro": "a reproduction on the code before a fix",
     "sigterm_under_load": "tools/sigterm_under_load.py",
     "http_front": "benchmarks/http_front.py",
+    "http_replicas": "benchmarks/http_front.py --replicas",
     "model_process_cost": "benchmarks/model_process_cost.py",
 }
 # Where citations are looked for.

@@ -31,11 +31,16 @@ from ikbo_jax.serving import bodies
 from ikbo_jax.serving.load import Refused, Tally, drive, summarize
 
 
-def over_http(url: str, requests: Sequence[Request], *, qps: float, max_seconds: float = 60.0,
+def over_http(url: str | Sequence[str], requests: Sequence[Request], *, qps: float,
+              max_seconds: float = 60.0,
               processes: int = 1, connections: int = 256, cycle: bool = False,
               content_type: str = bodies.JSON, expected: Sequence[np.ndarray] | None = None,
               score_tolerance: float = 0.0) -> dict:
   """Latency stats of `requests` sent to `url` at `qps`, from `processes` processes.
+
+  `url` may be several servers' (replicas of one model): client `p` sends to
+  `url[p % len(url)]`, so `processes` a multiple of their number splits the load
+  evenly, as a round-robin balancer in front of them would.
 
   Each request goes once, or with `cycle` over and over until `max_seconds`, as
   bodies of `content_type` (`serving.bodies.CONTENT_TYPES`); with `expected`
@@ -45,12 +50,16 @@ def over_http(url: str, requests: Sequence[Request], *, qps: float, max_seconds:
   if not (processes >= 1 and connections >= 1 and qps > 0 and len(requests) >= processes):
     raise ValueError(f"need processes >= 1, connections >= 1, qps > 0 and a request per "
                      f"process, got {processes}, {connections}, {qps}, {len(requests)} requests")
+  urls = [url] if isinstance(url, str) else list(url)
+  if not 1 <= len(urls) <= processes:
+    raise ValueError(f"need between 1 and processes={processes} urls, got {len(urls)}")
   if expected is not None and len(expected) != len(requests):
     raise ValueError(f"expected holds {len(expected)} score arrays for {len(requests)} requests")
   payloads = [(bodies.encode(r, content_type), None if expected is None else
                np.asarray(expected[i], np.float32)) for i, r in enumerate(requests)]
   counts = [r.num_candidates for r in requests]
-  shares = [(url, *_share(payloads, counts, p, processes, qps * max_seconds if cycle else 0),
+  arrivals = qps * max_seconds if cycle else 0
+  shares = [(urls[p % len(urls)], *_share(payloads, counts, p, processes, arrivals),
              qps / processes, max_seconds, connections, p, content_type, score_tolerance)
             for p in range(processes)]
   if processes == 1:
