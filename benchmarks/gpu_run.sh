@@ -71,7 +71,7 @@ if has gate; then
     | tee "$OUT/gate.log" \
     | grep -E "FAILED|ERROR|passed|failed" | cut -c1-400 | tail -n 40
   XLA_PYTHON_CLIENT_PREALLOCATE=false IKBO_FAILURE_LOG="$OUT/gate_failures.log" \
-    grouped timeout "${GATE_BIG_TIMEOUT:-90}" python3 -m pytest -p no:cacheprovider \
+    grouped timeout "${GATE_BIG_TIMEOUT:-200}" python3 -m pytest -p no:cacheprovider \
     -m "gpu and big_memory" -rf --tb=line -v --continue-on-collection-errors tests 2>&1 | tee "$OUT/gate_big_memory.log" \
     | grep -E "FAILED|ERROR|passed|failed" | cut -c1-400 | tail -n 10
 fi

@@ -42,12 +42,17 @@ class _GuardedProtocol(HttpToolsProtocol):
   def connection_made(self, transport: asyncio.Transport) -> None:
     super().connection_made(transport)
     self._reading_head, self._head_bytes, self._refusal = True, 0, None
+    self._head_ended = False
     self._arm_head_deadline()
 
   def data_received(self, data: bytes) -> None:
+    # `data` is all head only if it began in a head and did not end it: a read that ends a
+    # body may hold a next head's start (counted from the next read on, so a head is
+    # caught within one read past the limit), but never counts as head itself.
+    began_in_head, self._head_ended = self._reading_head, False
     super().data_received(data)
-    if self._reading_head and not self.transport.is_closing():
-      self._head_bytes += len(data)  # the head did not end in `data`: all of it was head
+    if began_in_head and not self._head_ended and not self.transport.is_closing():
+      self._head_bytes += len(data)
       if self._head_bytes > self.max_head_bytes:
         self._send_431(f"the request head is over {self.max_head_bytes} bytes")
 
@@ -73,7 +78,7 @@ class _GuardedProtocol(HttpToolsProtocol):
     # by the head deadline), and health checks, which cost nothing, always pass. While the
     # server drains its accept queue to shut down (`draining.py`), every other request gets
     # the 503.
-    self._reading_head = False
+    self._reading_head, self._head_ended = False, True
     limit = self.limit_concurrency
     shutting_down = getattr(self.server_state, "refusing", False)
     admit = self.url.startswith(b"/health") or not shutting_down and (
