@@ -164,7 +164,10 @@ def test_overload_over_http_answers_every_request_and_resets_none():
       return await asyncio.gather(*(client.post("/score", json=json_body(r)) for r in requests),
                                   return_exceptions=True)
 
-  with loopback.serving(create_app(model, batching), backlog=1024) as served_at:
+  # The client shares this process (and a 2-core host) with the server: starved, it once sent
+  # a head and then no body for the default 10 s (a 408). Body timeouts are tested apart.
+  limits = HttpLimits(body_timeout_s=60.0)
+  with loopback.serving(create_app(model, batching, limits=limits), backlog=1024) as served_at:
     responses = asyncio.run(offer(served_at.url))
     after = httpx.post(f"{served_at.url}/score", json=json_body(requests[0]), timeout=30)
     metrics = httpx.get(f"{served_at.url}/metrics").text
