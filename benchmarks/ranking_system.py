@@ -46,11 +46,12 @@ from flax import nnx
 from benchmarks import common
 from benchmarks.checkpoint_cost import checkpoint_cost
 from benchmarks.problems import ranking_batch
-from benchmarks.serving_load import (BUILDS, Ladder, cache_serving, overload, serving,
-                                     split_device_time)
+from benchmarks.serving_load import (BUILDS, Ladder, cache_serving, overload,
+                                     reference_scores, serving, split_device_time)
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.models import Ranker, RankerConfig
+from ikbo_jax.models.config import PRESETS
 from ikbo_jax.serving import bodies
 from ikbo_jax.training import trainer
 
@@ -220,6 +221,8 @@ def _overload(args, config, mean: float, budget_ms: float, sustained: dict):
   # A pool the clients cycle through: a minute's distinct bodies would not fit in memory.
   top = args.overload_factor * max(sustained.values()) * seconds
   trace = serving_trace(gen, min(args.overload_pool, int(top) + 1), processes=os.cpu_count())
+  preset = "small" if args.small else "benchmark"
+  expected = reference_scores(PRESETS[preset](), trace)  # what either build's server answers
   for build in BUILDS:
     qps = args.overload_factor * sustained[build]
     # The deadline is three quarters of the budget (the rest is for the call that answers),
@@ -230,9 +233,9 @@ def _overload(args, config, mean: float, budget_ms: float, sustained: dict):
     server_args = ["--max-queued-candidates", str(queue), "--timeout-ms", str(wait_ms),
                    "--http-processes", str(args.http_processes)]
     yield build, dict(sustained_qps=sustained[build], **overload(
-        "small" if args.small else "benchmark", build, trace, qps, seconds,
+        preset, build, trace, qps, seconds,
         args.client_processes or (1 if args.small else 4), mean, server_args,
-        args.content_type))
+        args.content_type, expected))
 
 
 if __name__ == "__main__":

@@ -221,7 +221,8 @@ def wait_ready(url: str, server: subprocess.Popen, log, seconds: float) -> None:
 
 
 def overload(preset: str, build: str, requests, qps: float, seconds: float, processes: int,
-             mean_candidates: float, server_args: list[str], content_type: str) -> dict:
+             mean_candidates: float, server_args: list[str], content_type: str,
+             expected: list[np.ndarray] | None = None) -> dict:
   """The HTTP server (`python -m ikbo_jax.serving`, its own process) offered `qps` for `seconds`.
 
   `requests` is a pool the clients cycle through for the whole run.
@@ -231,10 +232,12 @@ def overload(preset: str, build: str, requests, qps: float, seconds: float, proc
   Reports what the clients saw (answers, refusals by status, resets and timeouts by
   type, wrong scores, latency), what the server counted, and how long its SIGTERM
   drain took. Every answer is checked against the request's scores computed here
-  by the model the server builds (`reference_scores`).
+  by the model the server builds (`reference_scores`, or `expected` if given: the same for
+  every build).
   """
   config = PRESETS[preset]()
-  expected = reference_scores(config, requests)
+  if expected is None:
+    expected = reference_scores(config, requests)
   # The server may batch a request with others, in another bucket than alone: 16-bit
   # models round differently there (IKBO and standard builds agree to 5% of the logits).
   tolerance = 1e-4 if config.dtype == "float32" else 0.03
@@ -276,11 +279,13 @@ def overload(preset: str, build: str, requests, qps: float, seconds: float, proc
 def reference_scores(config, requests) -> list[np.ndarray]:
   """Each request's click probabilities from the model the server builds without a checkpoint
   (`Ranker(config, rngs=nnx.Rngs(0))`), scored alone: one user slot, the IKBO build."""
-  model = Ranker(config, rngs=nnx.Rngs(0))
+  graph, params = nnx.split(Ranker(config, rngs=nnx.Rngs(0)))
   slots = max(r.num_candidates for r in requests)
-  score = nnx.jit(lambda m, b: jax.nn.sigmoid(m(b)))
-  return [np.asarray(score(model, pack_requests([r.validated(config)], config, num_users=1,
-                                                 num_candidates=slots)))[:r.num_candidates]
+  # jax.jit over the split state, not nnx.jit over the module: nnx.jit walks the module's
+  # graph on every call, which cost ~10 ms a request here (thousands of requests).
+  score = jax.jit(lambda p, b: jax.nn.sigmoid(nnx.merge(graph, p)(b)))
+  return [np.asarray(score(params, pack_requests([r.validated(config)], config, num_users=1,
+                                                  num_candidates=slots)))[:r.num_candidates]
           for r in requests]
 
 
