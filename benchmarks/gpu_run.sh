@@ -217,9 +217,10 @@ if has http_replicas; then
 fi
 if has two_level; then
   # Two levels of sharing: the benchmark at B = 2048 (the target point first, each point
-  # written as it is measured, TWO_LEVEL_POINTS="G,U ..." to choose), then the sweep's
+  # written as it is measured, TWO_LEVEL_POINTS="G,U ..." to choose, TWO_LEVEL_ARGS=--forward-only
+  # for the whole grid without the backwards), then the sweep's
   # two-level cases on the kernels.
-  grouped timeout "${TWO_LEVEL_TIMEOUT:-300}" python3 -m benchmarks.two_level \
+  grouped timeout "${TWO_LEVEL_TIMEOUT:-300}" python3 -m benchmarks.two_level ${TWO_LEVEL_ARGS:-} \
     ${TWO_LEVEL_POINTS:+--points $TWO_LEVEL_POINTS} --out "$OUT/two_level_${TAG}.json" 2>&1 \
     | grep -v Warning | tee "$OUT/two_level.log" | cut -c1-400 | tail -n 30
   IKBO_FAILURE_LOG="$OUT/two_level_failures.log" grouped timeout "${TWO_LEVEL_TEST_TIMEOUT:-240}" \

@@ -227,6 +227,9 @@ def main():
   parser.add_argument("--points", nargs="+", default=None, metavar="G,U",
                       help="these (G, U) points, in this order (default: the issue's target "
                       "point G=128,U=16 first, then the rest of G in {32,128,512} x U in {4,16,64})")
+  parser.add_argument("--forward-only", action="store_true",
+                      help="skip the forward + backward rows (their compiling dominates a "
+                      "point's time): the whole grid's forward and attention in one call")
   args = parser.parse_args()
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
@@ -249,13 +252,15 @@ def main():
     point["attention"] = attention_point(items, g, u, SMALL_ATTENTION if args.small else ATTENTION,
                                          dtype, args.iterations)
     common.write_json(args.out, payload)
-    point.update(fwd_bwd_point(items, g, u, widths, dtype, args.iterations))
-    common.write_json(args.out, payload)
+    if not args.forward_only:
+      point.update(fwd_bwd_point(items, g, u, widths, dtype, args.iterations))
+      common.write_json(args.out, payload)
+    backward = ("" if args.forward_only else
+                f"; fwd+bwd x{point['fwd_bwd_speedup_vs_one_level_group_copied']:.2f}")
     print(f"G={g} U={u}: two_level {point['rows']['two_level']['ms']:.3f} ms, "
           f"x{point['speedup_vs_one_level_group_copied']:.2f} vs one level with the group "
           f"copied (x{point['speedup_vs_one_level_copy_untimed']:.2f} copy untimed), "
-          f"{point['ratio_to_own_gemms_floor']:.2f}x its GEMMs' floor; fwd+bwd "
-          f"x{point['fwd_bwd_speedup_vs_one_level_group_copied']:.2f}; attention "
+          f"{point['ratio_to_own_gemms_floor']:.2f}x its GEMMs' floor{backward}; attention "
           f"x{point['attention']['speedup_vs_copy_untimed']:.2f} vs per-group histories "
           f"(x{point['attention']['speedup_vs_copy_timed']:.2f} with the copy)", flush=True)
 
