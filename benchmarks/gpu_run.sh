@@ -234,7 +234,9 @@ if has ranker_groups; then
     --out "$OUT/ranking_groups_${TAG}.json" 2>&1 | grep -v Warning | cut -c1-400 | tail -n 8
 fi
 if has rewrite; then
-  timeout 300 python3 -m benchmarks.rewrite --out "$OUT/rewrite_${TAG}.json" 2>&1 \
+  # With each program's compiled HLO: where a share is short, which kernels differ.
+  timeout 300 python3 -m benchmarks.rewrite --hlo-dir "$OUT/rewrite_hlo_${TAG}" \
+    --out "$OUT/rewrite_${TAG}.json" 2>&1 \
     | grep -v Warning | cut -c1-400 | tail -n 8
 fi
 if has fuzz; then

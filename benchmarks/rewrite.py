@@ -14,6 +14,7 @@ kernels (`--kernels-only` counts them at the benchmark shapes on any backend).
 from __future__ import annotations
 
 import argparse
+import pathlib
 import re
 import time
 
@@ -206,10 +207,9 @@ def ranker_case(config, b, ratio):
 _NOT_KERNELS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast"})
 
 
-def kernels(fn, args) -> int:
-  """Instructions of the compiled program's entry computation that launch work (fusions,
-  library calls, copies): on a GPU, about its kernel launches."""
-  text = jax.jit(fn).lower(*args).compile().as_text()
+def kernels(text: str) -> int:
+  """Instructions of a compiled program's entry computation (`text`, its HLO) that launch
+  work (fusions, library calls, copies): on a GPU, about its kernel launches."""
   entry = text[text.index("\nENTRY"):].split("\n}")[0]
   ops = [re.search(r"\s([a-z][\w-]*)\(", line.split(" = ", 1)[1])
          for line in entry.splitlines()[1:] if " = " in line]
@@ -217,7 +217,7 @@ def kernels(fn, args) -> int:
   return sum(op not in _NOT_KERNELS for op in ops)
 
 
-def measure(name, case, iterations, timed=True) -> dict:
+def measure(name, case, iterations, timed=True, hlo_dir=None) -> dict:
   original, by_hand, args, where = case
   start = time.perf_counter()
   report = rewrite.explain(original, *args, **where)
@@ -225,7 +225,10 @@ def measure(name, case, iterations, timed=True) -> dict:
   fns = dict(original=original, rewritten=rewrite.rewrite(original, **where), ikbo=by_hand)
   row = dict(trace_seconds=trace_s, changes=str(report).splitlines()[0])
   for label, fn in fns.items():
-    row[label] = dict(kernels=kernels(fn, args))
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    row[label] = dict(kernels=kernels(text))
+    if hlo_dir:
+      (pathlib.Path(hlo_dir) / f"{name}.{label}.hlo.txt").write_text(text)
   if not timed:
     print(f"{name}: kernels " + ", ".join(f"{k} {row[k]['kernels']}" for k in fns), flush=True)
     return row
@@ -253,8 +256,12 @@ def main() -> None:
   parser.add_argument("--cases", nargs="+", default=None, help="these cases only (default all)")
   parser.add_argument("--kernels-only", action="store_true",
                       help="compile and count each variant's kernels, time nothing")
+  parser.add_argument("--hlo-dir", help="write each variant's compiled HLO here (to read where "
+                      "a rewritten program's kernels differ from the hand-written one's)")
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
+  if args.hlo_dir:
+    pathlib.Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
   if args.small:
     dtype, config = jnp.float32, RankerConfig()
     cases = dict(lce=lce_case(256, 4, 32, 16, 48, 40, dtype),
@@ -281,7 +288,7 @@ def main() -> None:
                  lce_take=lce_take_case(1024, 15, 433, 256, 1178, 866, dtype),
                  scan_tower=scan_tower_case(1024, 15, 1024, 4, dtype),
                  lookup_tower=lookup_tower_case(1024, 15, 2048, 512, dtype))
-  results = {name: measure(name, case, args.iterations, timed=not args.kernels_only)
+  results = {name: measure(name, case, args.iterations, not args.kernels_only, args.hlo_dir)
              for name, case in cases.items() if args.cases is None or name in args.cases}
   common.write_json(args.out, dict(**common.metadata(), dtype=jnp.dtype(dtype).name,
                                    iterations=0 if args.kernels_only else args.iterations,
