@@ -26,7 +26,7 @@
 # (set `IKBO_RESULTS` to plot another result file).
 
 # %%
-import json, os
+import glob, json, os
 import jax, jax.numpy as jnp
 import matplotlib.pyplot as plt
 from ikbo_jax import TwoLevelIndex, two_level_linear_compression
@@ -78,28 +78,46 @@ print('max difference', float(jnp.max(jnp.abs(fast - copied))))
 # ## Measured: speedups over the group ratio
 
 # %%
-path = os.environ.get('IKBO_RESULTS', '../benchmarks/results/two_level_h100.json')
-if not os.path.exists(path):
-    print(f'{path} is not there yet: run benchmarks/two_level.py on a GPU (gpu_run.sh STEPS=two_level)')
-else:
+# Every two-level result of one card, the newest run of each (G, U) point (runs are cut by
+# the device's time limits, so each holds some points), or the one file IKBO_RESULTS names.
+paths = ([os.environ['IKBO_RESULTS']] if 'IKBO_RESULTS' in os.environ
+         else sorted(glob.glob('../benchmarks/results/two_level_h100*.json')))
+points, items = {}, None
+for path in paths:
     res = json.load(open(path))
-    print(res['date'], res['commit'][:10], res['device'], res['dtype'], 'B =', res['items'])
-    points = res['points']
-    fig, ax = plt.subplots(figsize=(7, 4))
+    items = res['items']
+    for key, point in res['points'].items():
+        if 'rows' in point and (key not in points or points[key]['date'] < res['date']):
+            points[key] = dict(point, date=res['date'], commit=res['commit'], device=res['device'])
+if not points:
+    print('no two-level results yet: run benchmarks/two_level.py on a GPU (gpu_run.sh STEPS=two_level)')
+else:
+    fig, (lce, attention) = plt.subplots(1, 2, figsize=(11, 4))
     for users in sorted({int(k.split('U=')[1]) for k in points}):
-        keys = [k for k in points if k.endswith(f'U={users}')]
-        groups = [int(k.split(',')[0][2:]) for k in keys]
-        ax.plot([res['items'] / g for g in groups],
-                [points[k]['speedup_vs_one_level_group_copied'] for k in keys],
-                marker='o', label=f'U={users}')
-    ax.set_xscale('log'); ax.set_xlabel('items per group (B / G)')
-    ax.set_ylabel('x one level, group copied'); ax.legend(); plt.show()
+        keys = sorted((k for k in points if k.endswith(f'U={users}')),
+                      key=lambda k: int(k.split(',')[0][2:]))
+        ratio = [items / int(k.split(',')[0][2:]) for k in keys]
+        lce.plot(ratio, [points[k]['speedup_vs_one_level_group_copied'] for k in keys],
+                 marker='o', label=f'U={users}')
+        with_attention = [k for k in keys if 'attention' in points[k]]
+        attention.plot([items / int(k.split(',')[0][2:]) for k in with_attention],
+                       [points[k]['attention']['speedup_vs_copy_timed'] for k in with_attention],
+                       marker='o', label=f'U={users}')
+    for ax, title in ((lce, 'linear compression: x one level, group copied'),
+                      (attention, 'attention: x one level, per-group copy timed')):
+        ax.axhline(1.0, color='gray', lw=0.5)
+        ax.set_xscale('log'); ax.set_xlabel('items per group (B / G)'); ax.set_title(title)
+        ax.legend()
+    plt.show()
     for key, p in points.items():
-        print(f"{key}: x{p['speedup_vs_one_level_group_copied']:.2f} vs one level with the group copied, "
-              f"x{p['speedup_vs_materialized']:.2f} vs both copied, "
-              f"{p['ratio_to_own_gemms_floor']:.2f}x its own GEMMs; attention "
-              f"x{p['attention']['speedup_vs_copy_untimed']:.2f} vs per-group histories built beforehand, "
-              f"x{p['attention']['speedup_vs_copy_timed']:.2f} with the copy")
+        line = (f"{key} ({p['commit'][:7]}, {p['device']}): x{p['speedup_vs_one_level_group_copied']:.2f} "
+                f"vs one level with the group copied, x{p['speedup_vs_materialized']:.2f} vs both "
+                f"copied, {p['ratio_to_own_gemms_floor']:.2f}x its own GEMMs")
+        if 'attention' in p:
+            line += (f"; attention x{p['attention']['speedup_vs_copy_untimed']:.2f} vs per-group "
+                     f"histories built beforehand, x{p['attention']['speedup_vs_copy_timed']:.2f} "
+                     f"with the copy")
+        print(line)
 
 # %% [markdown]
 # The issue's target point (G = 128, U = 16; a later run, cut before it wrote the other
