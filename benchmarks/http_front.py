@@ -97,9 +97,10 @@ def start(preset: str, http_processes: int, mean_candidates: float, server_args:
 def serving(preset: str, n: int, replicas: bool, mean_candidates: float, server_args: list[str]):
   """The urls of one server of `n` HTTP processes, or of `n` one-process replicas, ready;
   stopped (SIGTERM) on leaving."""
-  started = [start(preset, 1 if replicas else n, mean_candidates, server_args)
-             for _ in range(n if replicas else 1)]
+  started = []
   try:
+    for _ in range(n if replicas else 1):
+      started.append(start(preset, 1 if replicas else n, mean_candidates, server_args))
     for url, server, log in started:
       wait_ready(url, server, log, 900)
     yield [url for url, _, _ in started]

@@ -222,7 +222,7 @@ def wait_ready(url: str, server: subprocess.Popen, log, seconds: float) -> None:
 
 def overload(preset: str, build: str, requests, qps: float, seconds: float, processes: int,
              mean_candidates: float, server_args: list[str], content_type: str,
-             expected: list[np.ndarray] | None = None) -> dict:
+             expected: list[np.ndarray]) -> dict:
   """The HTTP server (`python -m ikbo_jax.serving`, its own process) offered `qps` for `seconds`.
 
   `requests` is a pool the clients cycle through for the whole run.
@@ -231,13 +231,10 @@ def overload(preset: str, build: str, requests, qps: float, seconds: float, proc
   bodies are of `content_type` (`ikbo_jax.serving.bodies`).
   Reports what the clients saw (answers, refusals by status, resets and timeouts by
   type, wrong scores, latency), what the server counted, and how long its SIGTERM
-  drain took. Every answer is checked against the request's scores computed here
-  by the model the server builds (`reference_scores`, or `expected` if given: the same for
-  every build).
+  drain took. Every answer is checked against `expected`, each request's scores from
+  the model the server builds (`reference_scores`: the same for every build).
   """
   config = PRESETS[preset]()
-  if expected is None:
-    expected = reference_scores(config, requests)
   # The server may batch a request with others, in another bucket than alone: 16-bit
   # models round differently there (IKBO and standard builds agree to 5% of the logits).
   tolerance = 1e-4 if config.dtype == "float32" else 0.03

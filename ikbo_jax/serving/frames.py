@@ -6,11 +6,11 @@ The two messages of every request, ("score", id, request, timeout_ms) and
 dtype, shape and raw bytes, read back in place by `np.frombuffer`: 14 us to
 encode and decode a request of 64 candidates, where pickle takes 29 us
 (`benchmarks/model_process_cost.py`), and the model process, which reads every
-request of every HTTP process, has least time to spare. The rare control messages are pickles. Pickle is safe here only
-because both ends are this server's own processes: the socket lives in a
-directory only its user can open (`private_socket_path`), and no frame ever
-comes from a client (the HTTP processes decode and validate every body before
-a `Request` is framed).
+request of every HTTP process, has least time to spare. The rare control
+messages are pickles. Pickle is safe here only because both ends are this
+server's own processes: the socket lives in a directory only its user can open
+(`private_socket_path`), and no frame ever comes from a client (the HTTP
+processes decode and validate every body before a `Request` is framed).
 """
 
 from __future__ import annotations

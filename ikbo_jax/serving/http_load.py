@@ -32,8 +32,8 @@ from ikbo_jax.serving.load import Refused, Tally, drive, summarize
 
 
 def over_http(url: str | Sequence[str], requests: Sequence[Request], *, qps: float,
-              max_seconds: float = 60.0,
-              processes: int = 1, connections: int = 256, cycle: bool = False,
+              max_seconds: float = 60.0, processes: int = 1, connections: int = 256,
+              cycle: bool = False,
               content_type: str = bodies.JSON, expected: Sequence[np.ndarray] | None = None,
               score_tolerance: float = 0.0) -> dict:
   """Latency stats of `requests` sent to `url` at `qps`, from `processes` processes.

@@ -42,7 +42,6 @@ class _GuardedProtocol(HttpToolsProtocol):
   def connection_made(self, transport: asyncio.Transport) -> None:
     super().connection_made(transport)
     self._reading_head, self._head_bytes, self._refusal = True, 0, None
-    self._head_ended = False
     self._arm_head_deadline()
 
   def data_received(self, data: bytes) -> None:
