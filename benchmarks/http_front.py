@@ -14,6 +14,13 @@ connection give the lone request's latency over HTTP. Every row is written as
 it is measured. The device-bound ceiling these rates are held against is
 `benchmarks/ranking_system.py`'s (`device_bound_qps`: full batches back to back).
 
+With `--server-timing`, the server sends each answer's stages and every rate's
+row holds their percentiles (`ikbo_jax.serving.stages`: where a request's time
+goes over HTTP). With `--stub FIRST_MS LAST_MS` the server runs a `DeviceStub`
+of those device times instead of the model (the HTTP path on a host without a
+GPU; each answer is checked against the stub's scores); `--pinned-host` moves
+the model's batches through pinned host memory.
+
 With `--replicas`, each N is instead N one-process servers, each with its own
 copy of the model on the device, its own batcher and port, the client processes
 split evenly between them (a round-robin balancer in front, without its cost):
@@ -39,22 +46,29 @@ from benchmarks.serving_load import reference_scores, server_metrics, wait_ready
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.models.config import PRESETS
-from ikbo_jax.serving import bodies, http_load
+from ikbo_jax.serving import bodies, http_load, stages
 from ikbo_jax.testing import loopback
 
 
 def lone_requests(url: str, requests, count: int) -> dict:
-  """Latency of `count` requests sent one at a time on one connection (msgpack)."""
+  """Latency of `count` requests sent one at a time on one connection (msgpack), and
+  their stages where the server sends them."""
   payloads = [bodies.encode(r, bodies.MSGPACK) for r in requests[:count]]
   headers = {"Content-Type": bodies.MSGPACK}
-  times = []
+  times, rows = [], []
   with httpx.Client(timeout=30) as client:
     for payload in payloads:
       start = time.perf_counter()
-      client.post(f"{url}/score", content=payload, headers=headers).raise_for_status()
+      response = client.post(f"{url}/score", content=payload, headers=headers)
+      response.raise_for_status()
       times.append(1e3 * (time.perf_counter() - start))
-  p50, p99 = np.percentile(times[len(times) // 10:], (50, 99))  # the first tenth warms up
-  return dict(requests=len(times), p50_ms=float(p50), p99_ms=float(p99))
+      if "server-timing" in response.headers:
+        row = stages.parse_server_timing(response.headers["server-timing"])
+        rows.append({**row, "outside": times[-1] - sum(row.values())})
+  warm = len(times) // 10  # the first tenth warms up
+  p50, p99 = np.percentile(times[warm:], (50, 99))
+  return dict(requests=len(times), p50_ms=float(p50), p99_ms=float(p99),
+              **({"stages": stages.summarize(rows[warm:])} if rows else {}))
 
 
 def holds(stats: dict, budget_ms: float) -> bool:
@@ -125,6 +139,12 @@ def main() -> None:
   parser.add_argument("--pool", type=int, default=2000, help="distinct requests cycled through")
   parser.add_argument("--replicas", action="store_true",
                       help="N one-process servers with a model each instead of N HTTP processes")
+  parser.add_argument("--server-timing", action="store_true",
+                      help="collect each answer's stages from its Server-Timing header")
+  parser.add_argument("--stub", type=float, nargs=2, metavar=("FIRST_MS", "LAST_MS"),
+                      help="serve a DeviceStub of these device times instead of the model")
+  parser.add_argument("--pinned-host", action="store_true",
+                      help="the model's batches move through pinned host memory")
   parser.add_argument("--iterations", type=int, help="ignored (the scripts' common flag)")
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
@@ -138,11 +158,18 @@ def main() -> None:
   gen = ClickGenerator(config, seed=4, mean_candidates=args.mean_candidates,
                        max_candidates=int(4 * args.mean_candidates))
   requests = serving_trace(gen, args.pool, processes=os.cpu_count())
-  expected = reference_scores(config, requests)
-  tolerance = 1e-4 if config.dtype == "float32" else 0.03
+  if args.stub:  # the stub's scores: each candidate's item id over the item count
+    expected = [(r.validated(config).cand_items / config.num_items).astype(np.float32)
+                for r in requests]
+  else:
+    expected = reference_scores(config, requests)
+  tolerance = 1e-6 if args.stub else 1e-4 if config.dtype == "float32" else 0.03
   queue = int(args.mean_candidates * 64)
   server_args = ["--max-queued-candidates", str(queue), "--timeout-ms",
-                 str(0.75 * args.budget_ms), "--max-batch-requests", "32"]
+                 str(0.75 * args.budget_ms), "--max-batch-requests", "32",
+                 *(["--server-timing"] if args.server_timing else []),
+                 *(["--device-stub", *map(str, args.stub)] if args.stub else []),
+                 *(["--pinned-host"] if args.pinned_host else [])]
   payload = dict(**common.metadata(), preset=preset, budget_p99_ms=args.budget_ms,
                  mean_candidates=args.mean_candidates, client_processes=args.client_processes,
                  seconds_per_rate=args.seconds_per_rate, server_args=server_args,

@@ -95,7 +95,7 @@ def main() -> None:
   requests = ClickGenerator(config, seed=1, mean_candidates=70, max_candidates=280).requests(
       args.iterations // 4)
   request = requests[0]
-  message = ("score", 7, request, 10.0)
+  message = ("score", 7, request, 10.0, False)
   frame, pickled = frames.encode(message)[4:], pickle.dumps(message, protocol=5)
   body = bodies.encode(request, bodies.MSGPACK)
   codec = dict(

@@ -52,9 +52,9 @@ def test_a_request_and_its_scores_cross_the_socket_unchanged(as_lists):
   request = some_requests(1)[0]
   if as_lists:  # a JSON body's fields before validation
     request = Request(**{f: getattr(request, f).tolist() for f in bodies.FIELDS})
-  frame = frames.encode(("score", 7, request, 12.5))
-  kind, request_id, got, timeout_ms = frames.decode(frame[4:])
-  assert (kind, request_id, timeout_ms) == ("score", 7, 12.5)
+  frame = frames.encode(("score", 7, request, 12.5, True))
+  kind, request_id, got, timeout_ms, timed = frames.decode(frame[4:])
+  assert (kind, request_id, timeout_ms, timed) == ("score", 7, 12.5, True)
   for field in dataclasses.fields(Request):
     want = getattr(request, field.name)
     if want is None:
@@ -62,8 +62,11 @@ def test_a_request_and_its_scores_cross_the_socket_unchanged(as_lists):
     else:
       np.testing.assert_array_equal(getattr(got, field.name), np.asarray(want), strict=True)
   scores = np.array([0.25, np.nan, 1.0], np.float32)
-  kind, request_id, back = frames.decode(frames.encode(("scores", 3, scores))[4:])
+  kind, request_id, back, marks = frames.decode(frames.encode(("scores", 3, scores, None))[4:])
   np.testing.assert_array_equal(back, scores, strict=True)
+  assert marks is None
+  marks = [("send", 1.5), ("queue", 2.25)]
+  assert frames.decode(frames.encode(("scores", 3, scores, marks))[4:])[3] == marks
   assert frames.decode(frames.encode(("queue", 1.5, 2, 3, None))[4:]) == ("queue", 1.5, 2, 3,
                                                                            None)
   with pytest.raises(frames.FrameError, match="codec"):

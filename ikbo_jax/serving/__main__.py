@@ -95,6 +95,20 @@ def main(argv=None) -> None:
                            "model runs in a process of its own that they all feed "
                            "(ikbo_jax.serving.processes), and the connection and body limits "
                            "above hold per HTTP process")
+  parser.add_argument("--pinned-host", action="store_true",
+                      help="batches go to each program in pinned host memory and their scores "
+                           "come back there, copied by the program itself (one device)")
+  parser.add_argument("--server-timing", action="store_true",
+                      help="every answer of POST /score carries its stages (body, decode, "
+                           "queue, pack, ..., in ms) in a Server-Timing header")
+  parser.add_argument("--device-stub", type=float, nargs=2, metavar=("FIRST_MS", "LAST_MS"),
+                      help="no model: a stub that packs each batch and answers after the "
+                           "smallest / largest bucket's device time (linear between), to "
+                           "profile the host path without a device")
+  parser.add_argument("--access-log", action="store_true",
+                      help="log a line per request (off: at thousands of requests a second "
+                           "the log costs the HTTP process more than its parsing; /metrics "
+                           "counts every request by status)")
   parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
   parser.add_argument("--port", type=int, default=8000, help="port to listen on")
   args = parser.parse_args(argv)
@@ -107,6 +121,11 @@ def _serve(args, parser) -> None:
                  f"--devices {args.devices}")
   if not args.cache_mb and args.cache_ttl_seconds is not None:
     parser.error("--cache-ttl-seconds needs --cache-mb")
+  if args.device_stub and (args.checkpoint_dir or args.cache_mb or args.devices != 1):
+    parser.error("--device-stub stands for the model: it takes no --checkpoint-dir, "
+                 "--cache-mb or --devices")
+  if args.pinned_host and (args.cache_mb or args.devices != 1):
+    parser.error("--pinned-host serves one BucketedModel: it takes no --cache-mb or --devices")
   if args.http_processes < 1:
     parser.error(f"--http-processes must be >= 1, got {args.http_processes}")
   if args.http_processes > 1:

@@ -17,6 +17,11 @@ candidates than the largest bucket holds is split into pieces (the same user,
 consecutive candidates) and its scores are joined in order; a history longer
 than the model takes is refused.
 
+Profiling: a request may bring a `StageClock` (`serving.stages`); its batch's
+stages (the queue, the hop to a model thread, and the model's own: pack,
+launch or transfer and execution, the copy back) and the hop back to the
+awaiting coroutine are marked on it. Requests without one cost nothing more.
+
 Admission: a request is refused with `Overloaded` (HTTP 429) when the queue
 would then hold more than `max_queued` requests or `max_queued_candidates`
 candidates, counted before it is split. Every request has a deadline (its own,
@@ -32,6 +37,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -39,6 +45,7 @@ import numpy as np
 from ikbo_jax.data import Request, RequestError
 from ikbo_jax.serving.buckets import Bucket
 from ikbo_jax.serving.scorer import Scorer
+from ikbo_jax.serving.stages import StageClock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +95,7 @@ class _Pending:
   request: Request
   future: asyncio.Future
   deadline: float  # the event loop's clock
+  clock: StageClock | None = None
 
 
 class Batcher:
@@ -112,14 +120,21 @@ class Batcher:
   """
 
   def __init__(self, model: Scorer, config: BatchingConfig = BatchingConfig(),
-               on_batch: Callable[[Sequence[Request], Bucket | None, float], None] | None = None):
-    """`on_batch(requests, bucket, seconds)` hears of each batch the model ran (metrics)."""
+               on_batch: Callable[[Sequence[Request], Bucket | None, float], None] | None = None,
+               *, waited_stages: bool = False):
+    """`on_batch(requests, bucket, seconds)` hears of each batch the model ran (metrics).
+
+    With `waited_stages`, a batch with a `StageClock` waits for each of its model
+    stages apart (`BucketedModel.staged`): transfer and execution are told apart, at
+    the cost of a wait between them.
+    """
     if config.max_batch_requests is None:
       config = dataclasses.replace(config, max_batch_requests=model.largest.num_users)
     if config.max_batch_requests > model.largest.num_users:
       raise ValueError(f"max_batch_requests={config.max_batch_requests} exceeds the user slots "
                        f"of the largest bucket, {model.largest}")
     self.model, self.config, self._on_batch = model, config, on_batch
+    self._waited_stages = waited_stages
     self.batches_run = 0
     self.refused = self.timed_out = 0  # requests answered Overloaded / DeadlineExceeded
     self.queued_candidates = 0
@@ -161,12 +176,14 @@ class Batcher:
     return (1e3 * self.queued_candidates * self._seconds_per_candidate
             / self.config.max_in_flight)
 
-  async def score(self, request: Request, timeout_ms: float | None = None) -> np.ndarray:
+  async def score(self, request: Request, timeout_ms: float | None = None,
+                  clock: StageClock | None = None) -> np.ndarray:
     """The request's click probabilities in its candidate order.
 
     Raises `RequestError` if the request is bad, `Overloaded` if the queue is at
     its bound, `DeadlineExceeded` if it was still queued `timeout_ms` (default
-    `config.default_timeout_ms`) after it arrived.
+    `config.default_timeout_ms`) after it arrived. `clock` gets the request's
+    stages from its queueing to its answer (its first piece's, if it is split).
     """
     if self._task is None or self._task.done():
       raise RuntimeError("the batcher is not running: use `async with Batcher(...)`")
@@ -188,18 +205,26 @@ class Batcher:
                        f"{config.max_queued_candidates}); retry later")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (timeout_ms or config.default_timeout_ms) / 1e3
+    if clock is not None:
+      clock.mark("validate")
     if len(pieces) == 1:
-      return await self._enqueue(request, deadline)
-    futures = [self._enqueue(piece, deadline) for piece in pieces]
-    try:
-      return np.concatenate(await asyncio.gather(*futures))
-    finally:
-      for future in futures:  # a failed piece cancels the rest (cancelled ones are skipped)
-        future.cancel()
+      scores = await self._enqueue(request, deadline, clock)
+    else:
+      futures = [self._enqueue(piece, deadline, clock if i == 0 else None)
+                 for i, piece in enumerate(pieces)]
+      try:
+        scores = np.concatenate(await asyncio.gather(*futures))
+      finally:
+        for future in futures:  # a failed piece cancels the rest (cancelled ones are skipped)
+          future.cancel()
+    if clock is not None:
+      clock.mark("answer")
+    return scores
 
-  def _enqueue(self, request: Request, deadline: float) -> asyncio.Future:
+  def _enqueue(self, request: Request, deadline: float,
+               clock: StageClock | None = None) -> asyncio.Future:
     future = asyncio.get_running_loop().create_future()
-    self._queue.append(_Pending(request, future, deadline))
+    self._queue.append(_Pending(request, future, deadline, clock))
     self.queued_candidates += request.num_candidates
     self._arrived.set()
     return future
@@ -271,6 +296,9 @@ class Batcher:
       if not live:
         self._free_slots.release()
         continue
+      for p in live:
+        if p.clock is not None:
+          p.clock.mark("queue")
       self._running += 1
       task = asyncio.create_task(self._score(live))
       self._in_flight.add(task)
@@ -280,9 +308,10 @@ class Batcher:
     """Runs one batch on a model thread and answers its requests; frees its slot."""
     requests = [p.request for p in batch]
     loop = asyncio.get_running_loop()
+    marks = None if all(p.clock is None for p in batch) else []
     try:
       start = loop.time()
-      scores = await loop.run_in_executor(self._threads, self.model, requests)
+      scores = await loop.run_in_executor(self._threads, self._call_model, requests, marks)
       seconds = loop.time() - start
       per_candidate = seconds / max(1, sum(r.num_candidates for r in requests))
       self._seconds_per_candidate = (per_candidate if not self.batches_run else
@@ -301,8 +330,22 @@ class Batcher:
       self._free_slots.release()
     self.batches_run += 1
     for p, s in zip(batch, scores):
+      if p.clock is not None:
+        p.clock.extend(marks)
       if not p.future.done():
         p.future.set_result(s)
+
+  def _call_model(self, requests: list[Request], marks: list | None) -> list[np.ndarray]:
+    """The model's call on a model thread; with `marks`, its stages marked there."""
+    if marks is None:
+      return self.model(requests)
+    marks.append(("thread", time.perf_counter()))
+    staged = getattr(self.model, "staged", None)
+    if staged is None:  # a model with no stages of its own is one stage
+      scores = self.model(requests)
+      marks.append(("model", time.perf_counter()))
+      return scores
+    return staged(requests, marks, self._waited_stages)
 
 
 @dataclasses.dataclass(frozen=True)

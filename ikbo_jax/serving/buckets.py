@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -25,11 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ikbo_jax.data import Request, pack_requests
+from ikbo_jax.data import Request
 from ikbo_jax.models import Build, Ranker, RankerConfig, scores
 from ikbo_jax.models.valid_range import max_abs_dense_feature
 from ikbo_jax.serving.precast import jit_hoisted
-from ikbo_jax.serving.transfer import FlatLayout
+from ikbo_jax.serving.transfer import FlatLayout, HostBuffers
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -102,12 +101,17 @@ class BucketedModel:
     build: which forward pass serves (`Build`, or its name).
     device: where the parameters live and the executables run (default: jax's default
       device); `ikbo_jax.serving.DeviceSet` keeps one `BucketedModel` per device.
+    pinned_host: the batch goes to the program in pinned host memory, and the program
+      itself copies it to the device and its scores back to pinned host memory (a copy
+      each way on the program's stream, no separate transfer and no staging copy);
+      otherwise the batch is put on the device before the call and the scores fetched
+      after it.
     on_compiled: called with each bucket and its compile time in seconds as it
       is compiled (the command line prints them: compiling takes a while).
   """
 
   def __init__(self, model: Ranker, buckets: Sequence[Bucket], build: Build = Build.IKBO, *,
-               device: jax.Device | None = None,
+               device: jax.Device | None = None, pinned_host: bool = False,
                on_compiled: Callable[[Bucket, float], None] | None = None):
     build = Build.parse(build)
     config = model.config
@@ -115,27 +119,33 @@ class BucketedModel:
       raise ValueError(f"serving takes models without a group level; this one has one "
                        f"(RankerConfig.group_dense={config.group_dense}): its buckets would need "
                        "group slots, which the serving path does not pack yet")
-    self.config, self.build = config, build
+    self.config, self.build, self.pinned_host = config, build, pinned_host
     self.buckets = checked_buckets(buckets, config)
     self.max_abs_feature = max_abs_dense_feature(model)  # the batcher refuses larger features
     graphdef, state = nnx.split(model)
 
     def probabilities(layout: FlatLayout, state, flat: jax.Array) -> jax.Array:
+      if pinned_host:
+        flat = jax.device_put(flat, jax.memory.Space.Device)
       model = nnx.merge(graphdef, state)
-      return jax.nn.sigmoid(scores(model, layout.unflatten(flat), build))
+      out = jax.nn.sigmoid(scores(model, layout.unflatten(flat), build))
+      return jax.device_put(out, jax.memory.Space.Host) if pinned_host else out
 
     self.device = device or jax.devices()[0]
     self._placement = jax.sharding.SingleDeviceSharding(self.device)
+    # Where a call's batch goes before the program runs: the device, or pinned host memory.
+    self._input = jax.sharding.SingleDeviceSharding(
+        self.device, memory_kind="pinned_host" if pinned_host else None)
     state = jax.device_put(state, self._placement)
     # By bucket: the parameter leaves its program takes, cast once where it only reads
     # them cast (`precast`; the cast copies are shared by the buckets).
     self._params, self._executables, self._layouts, self._jitted, casts = {}, {}, {}, {}, {}
-    self._host_buffers = threading.local()  # by bucket: (flat buffer, views), one per thread
+    self._host_buffers = HostBuffers(config, self._layouts)
     for bucket in self.buckets:
       start = time.perf_counter()
       layout = FlatLayout.of(config, bucket.num_users, bucket.num_candidates,
                              bucket.history_slots)
-      flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self._placement)
+      flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self._input)
       self._layouts[bucket] = layout
       self._jitted[bucket], self._params[bucket] = jit_hoisted(
           functools.partial(probabilities, layout), state, flat, cache=casts)
@@ -151,9 +161,9 @@ class BucketedModel:
     A program's first run costs more than the next ones (~12 ms on a CPU, a
     second on a slow one): paid here, it never lands on a request.
     """
-    _, flat = self._pack([], bucket)
+    flat = self._host_buffers.pack([], bucket)
     jax.block_until_ready(self._executables[bucket](self._params[bucket],
-                                                    jax.device_put(flat, self._placement)))
+                                                    jax.device_put(flat, self._input)))
 
   @property
   def largest(self) -> Bucket:
@@ -165,11 +175,36 @@ class BucketedModel:
 
   def __call__(self, requests: Sequence[Request]) -> list[np.ndarray]:
     """Each request's click probabilities, in its candidate order (validated requests)."""
-    bucket, host = self._pack(requests)
-    probabilities = self._executables[bucket](self._params[bucket],
-                                              jax.device_put(host, self._placement))
-    probabilities.copy_to_host_async()  # the copy back starts when the batch is done
-    return per_request(np.asarray(probabilities), requests)
+    return self.staged(requests, None)
+
+  def staged(self, requests: Sequence[Request], marks: list[tuple[str, float]] | None,
+             waited: bool = False) -> list[np.ndarray]:
+    """A call that appends each stage's (name, end time) to `marks` (`serving.stages`).
+
+    Plain, its stages are `pack`, `launch` (the batch's transfer and the program
+    enqueued: the call does not wait for the device) and `d2h` (the program done
+    and its scores on the host); `waited` waits for each of `pack`, `h2d`,
+    `execute` and `d2h` apart, which separates them at the cost of a wait between.
+    """
+    mark = (lambda stage: None) if marks is None else (
+        lambda stage: marks.append((stage, time.perf_counter())))
+    bucket = bucket_holding(self.buckets, requests)
+    host = self._host_buffers.pack(requests, bucket)
+    mark("pack")
+    flat = jax.device_put(host, self._input)
+    if waited:
+      jax.block_until_ready(flat)
+      mark("h2d")
+    probabilities = self._executables[bucket](self._params[bucket], flat)
+    if waited:
+      jax.block_until_ready(probabilities)
+      mark("execute")
+    else:
+      probabilities.copy_to_host_async()  # the copy back starts when the batch is done
+      mark("launch")
+    out = per_request(np.asarray(probabilities), requests)
+    mark("d2h")
+    return out
 
   def device_call(self, requests: Sequence[Request]) -> tuple[Callable[[jax.Array], jax.Array],
                                                               jax.Array]:
@@ -180,9 +215,10 @@ class BucketedModel:
     is the jitted function the bucket's executable was compiled from, so that a
     profiler can trace it (an executable compiled ahead of time cannot be).
     """
-    bucket, host = self._pack(requests)
+    bucket = bucket_holding(self.buckets, requests)
+    host = self._host_buffers.pack(requests, bucket)
     return (functools.partial(self._jitted[bucket], self._params[bucket]),
-            jax.device_put(host.copy(), self._placement))
+            jax.device_put(host.copy(), self._input))
 
   def call_breakdown(self, requests: Sequence[Request]) -> dict[str, float]:
     """Seconds of each stage of one call, each waited for: pack, transfer, execute, fetch.
@@ -190,38 +226,11 @@ class BucketedModel:
     The stages overlap in a plain call; this one separates them to show where a
     call's time goes (`benchmarks/ranking_system.py`).
     """
-    times = [time.perf_counter()]
-    bucket, host = self._pack(requests)
-    times.append(time.perf_counter())
-    flat = jax.block_until_ready(jax.device_put(host, self._placement))
-    times.append(time.perf_counter())
-    probabilities = jax.block_until_ready(self._executables[bucket](self._params[bucket], flat))
-    times.append(time.perf_counter())
-    per_request(np.asarray(probabilities), requests)
-    times.append(time.perf_counter())
-    stages = ("pack", "transfer", "execute", "fetch")
-    return {stage: b - a for stage, a, b in zip(stages, times[:-1], times[1:])}
-
-  def _pack(self, requests: Sequence[Request],
-            bucket: Bucket | None = None) -> tuple[Bucket, np.ndarray]:
-    """The bucket `requests` go to (the smallest that holds them, unless given), and their
-    host buffer (one flat array).
-
-    Each model thread packs into its own buffer per bucket, allocated once: a
-    thread's next call starts after its last one fetched its scores, so the
-    device has read the buffer by then.
-    """
-    bucket = bucket or bucket_holding(self.buckets, requests)
-    if not hasattr(self._host_buffers, "by_bucket"):
-      self._host_buffers.by_bucket = {}
-    buffers = self._host_buffers.by_bucket
-    if bucket not in buffers:
-      buffers[bucket] = self._layouts[bucket].host_buffer()
-    flat, views = buffers[bucket]
-    pack_requests(requests, self.config, num_users=bucket.num_users,
-                  num_candidates=bucket.num_candidates, history_slots=bucket.history_slots,
-                  out=views)
-    return bucket, flat
+    marks = [("", time.perf_counter())]
+    self.staged(requests, marks, waited=True)
+    names = {"h2d": "transfer", "d2h": "fetch"}
+    return {names.get(stage, stage): at - before
+            for (_, before), (stage, at) in zip(marks, marks[1:])}
 
 
 def per_request(probabilities: np.ndarray, requests: Sequence[Request]) -> list[np.ndarray]:

@@ -61,12 +61,12 @@ def _from(field) -> np.ndarray | None:
 def encode(message: tuple) -> bytes:
   kind = message[0]
   if kind == "score":
-    _, request_id, request, timeout_ms = message
+    _, request_id, request, timeout_ms, timed = message
     body = _SCORE + msgspec.msgpack.encode(
-        (request_id, timeout_ms, [_array(getattr(request, f)) for f in _REQUEST_FIELDS]))
+        (request_id, timeout_ms, [_array(getattr(request, f)) for f in _REQUEST_FIELDS], timed))
   elif kind == "scores":
-    _, request_id, scores = message
-    body = _SCORES + msgspec.msgpack.encode((request_id, _array(np.asarray(scores))))
+    _, request_id, scores, marks = message
+    body = _SCORES + msgspec.msgpack.encode((request_id, _array(np.asarray(scores)), marks))
   else:
     body = _PICKLE + pickle.dumps(message, protocol=5)
   if len(body) > MAX_FRAME_BYTES:
@@ -77,12 +77,13 @@ def encode(message: tuple) -> bytes:
 def decode(body: bytes) -> tuple:
   codec, rest = body[:1], memoryview(body)[1:]
   if codec == _SCORE:
-    request_id, timeout_ms, fields = msgspec.msgpack.decode(rest)
+    request_id, timeout_ms, fields, timed = msgspec.msgpack.decode(rest)
     request = Request(**{f: _from(x) for f, x in zip(_REQUEST_FIELDS, fields)})
-    return ("score", request_id, request, timeout_ms)
+    return ("score", request_id, request, timeout_ms, timed)
   if codec == _SCORES:
-    request_id, scores = msgspec.msgpack.decode(rest)
-    return ("scores", request_id, _from(scores))
+    request_id, scores, marks = msgspec.msgpack.decode(rest)
+    return ("scores", request_id, _from(scores),
+            None if marks is None else [tuple(m) for m in marks])
   if codec == _PICKLE:
     return pickle.loads(rest)
   raise FrameError(f"a frame of unknown codec {bytes(codec)!r}")

@@ -57,6 +57,7 @@ from ikbo_jax.serving.cached import CachedModel
 from ikbo_jax.serving.metrics import ServingMetrics
 from ikbo_jax.serving.remote import ModelUnavailable, RemoteBatcher
 from ikbo_jax.serving.scorer import Scorer
+from ikbo_jax.serving.stages import StageClock
 
 _LOG = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class HttpLimits:
 
 def create_app(model: Scorer | Callable[[], Scorer] | None,
                batching: BatchingConfig = BatchingConfig(), limits: HttpLimits = HttpLimits(),
-               *, model_process: str | None = None) -> Starlette:
+               *, model_process: str | None = None, server_timing: bool = False) -> Starlette:
   """An ASGI app serving `model` (run it with uvicorn, or `python -m ikbo_jax.serving`).
 
   `model` may be a function that builds (compiles) the model: it then runs on a
@@ -118,6 +119,9 @@ def create_app(model: Scorer | Callable[[], Scorer] | None,
   None: this app is one of several HTTP processes (`serving.processes`) and the
   model, its batcher and cache live in that process; the app is ready once it
   is connected to that process and that process's model is built.
+
+  With `server_timing`, every answer of `POST /score` carries its stages
+  (`serving.stages`) in a `Server-Timing` header.
   """
   if (model is None) == (model_process is None):
     raise ValueError(f"give a model or a model_process, not both or neither: got model="
@@ -162,6 +166,7 @@ def create_app(model: Scorer | Callable[[], Scorer] | None,
 
   app = Starlette(routes=_ROUTES, lifespan=lifespan)
   app.state.metrics, app.state.limits = metrics, limits
+  app.state.server_timing = server_timing
   app.state.admission = Admission(limits.max_active, limits.max_receiving,
                                   limits.max_receiving_per_peer)
   return app
@@ -217,8 +222,12 @@ async def _score_route(http_request: HttpRequest) -> Response:
   state = http_request.app.state
   limits, metrics = state.limits, state.metrics
   start = time.perf_counter()
+  clock = StageClock(start) if state.server_timing else None
   try:
-    response = JSONResponse({"scores": await _score(http_request, limits, start)})
+    response = JSONResponse({"scores": await _score(http_request, limits, start, clock)})
+    if clock is not None:
+      clock.mark("encode")
+      response.headers["Server-Timing"] = clock.server_timing()
   except Refusal as refusal:
     if refusal.status in (429, 499, 503):
       reason = refusal.reason or {429: "overloaded", 499: "client_closed"}.get(
@@ -319,8 +328,10 @@ _ROUTES = [Route("/score", _score_route, methods=["POST"]),
            Route("/openapi.json", _openapi, methods=["GET"], include_in_schema=False)]
 
 
-async def _score(http_request: HttpRequest, limits: HttpLimits, arrived: float) -> list[float]:
-  """The request's scores; its deadline counts from `arrived` (`time.perf_counter()`)."""
+async def _score(http_request: HttpRequest, limits: HttpLimits, arrived: float,
+                 clock: StageClock | None) -> list[float]:
+  """The request's scores; its deadline counts from `arrived` (`time.perf_counter()`).
+  `clock`, if any, gets its stages."""
   batcher: Batcher | None = http_request.app.state.batcher
   if batcher is None:
     raise Refusal(503, "the model is still compiling; retry later", retry=True)
@@ -342,16 +353,22 @@ async def _score(http_request: HttpRequest, limits: HttpLimits, arrived: float) 
   with admission.receiving_body(http_request.client and http_request.client.host):
     body = await receive_body(http_request, limits.max_body_bytes, limits.body_timeout_s,
                               limits.min_body_rate, limits.body_grace_s)
+  if clock is not None:
+    clock.mark("body")
   with admission.working():
-    return await _decode_and_score(body, content_type, batcher, limits, timeout_ms, arrived)
+    return await _decode_and_score(body, content_type, batcher, limits, timeout_ms, arrived,
+                                   clock)
 
 
 async def _decode_and_score(body: bytes, content_type: str, batcher: Batcher,
-                            limits: HttpLimits, timeout_ms: float, arrived: float) -> list[float]:
+                            limits: HttpLimits, timeout_ms: float, arrived: float,
+                            clock: StageClock | None) -> list[float]:
   try:
     request = bodies.decode(content_type, body, batcher.model.config, limits.max_candidates)
   except bodies.BodyError as e:
     raise Refusal(e.status, str(e)) from None
+  if clock is not None:
+    clock.mark("decode")
   # On a CPU-bound server the wait is here, reading and decoding, before the batcher's queue:
   # a request whose deadline passed on the way is refused, never queued.
   left_ms = timeout_ms - 1e3 * (time.perf_counter() - arrived)
@@ -359,7 +376,7 @@ async def _decode_and_score(body: bytes, content_type: str, batcher: Batcher,
     raise Refusal(503, f"the request's deadline ({timeout_ms:g} ms) passed while it was read; "
                         "it was not computed", retry=True)
   try:
-    scores = await batcher.score(request, left_ms)
+    scores = await batcher.score(request, left_ms, clock)
   except RequestError as e:
     raise Refusal(400, str(e)) from None
   except Overloaded as e:

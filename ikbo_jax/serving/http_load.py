@@ -10,6 +10,8 @@ client sends its share over and over until `max_seconds` (a minute at ten
 thousand requests a second is too many distinct bodies to hold).
 Statuses other than 200 are counted by status, connection failures by type.
 Bodies are JSON or msgpack (`serving.bodies`; msgpack costs the server less).
+Where the server sends each answer's stages (`--server-timing`), the stats
+hold their percentiles, with `outside`: the client's latency beyond their sum.
 Given the scores each request should get (`expected`), every answer is checked
 against them: one off by more than `score_tolerance`, or of another length, is
 counted as a `wrong_score` instead of an answer.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import time
 from collections.abc import Sequence
 
 import aiohttp
@@ -27,7 +30,7 @@ import numpy as np
 import uvloop
 
 from ikbo_jax.data import Request, RequestError
-from ikbo_jax.serving import bodies
+from ikbo_jax.serving import bodies, stages
 from ikbo_jax.serving.load import Refused, Tally, drive, summarize
 
 
@@ -92,6 +95,8 @@ def _client(url: str, payloads: list, counts: list[int], qps: float, max_seconds
   second with it, ~520 with httpx, which made the client the bottleneck it measures.
   """
 
+  rows = []
+
   async def run() -> Tally:
     # Idle connections are dropped well before the server's keep-alive timeout
     # (5 s by default): one the server closes as a request goes out is a reset.
@@ -101,6 +106,7 @@ def _client(url: str, payloads: list, counts: list[int], qps: float, max_seconds
       async def send(payload: tuple[bytes, np.ndarray | None]):
         body, want = payload
         try:
+          start = time.perf_counter()
           async with session.post("/score", data=body,
                                   headers={"content-type": content_type}) as response:
             if response.status == 400:
@@ -108,6 +114,11 @@ def _client(url: str, payloads: list, counts: list[int], qps: float, max_seconds
             answer = await response.read()
             if response.status != 200:
               raise Refused(str(response.status))
+            timing = response.headers.get("Server-Timing")
+          if timing is not None:
+            row = stages.parse_server_timing(timing)
+            row["outside"] = 1e3 * (time.perf_counter() - start) - sum(row.values())
+            rows.append(row)
         except aiohttp.ClientError as e:  # resets, disconnects, malformed answers
           raise Refused(type(e).__name__) from None
         if want is not None and not _matches(answer, want, score_tolerance):
@@ -116,7 +127,9 @@ def _client(url: str, payloads: list, counts: list[int], qps: float, max_seconds
       return await drive(send, payloads, qps=qps, candidates=counts, seed=seed,
                          max_seconds=max_seconds)
 
-  return uvloop.run(run())
+  tally = uvloop.run(run())
+  tally.stage_rows = rows
+  return tally
 
 
 def _matches(answer: bytes, want: np.ndarray, tolerance: float) -> bool:

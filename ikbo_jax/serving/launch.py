@@ -10,6 +10,7 @@ the GPU's memory its model process needs.
 from __future__ import annotations
 
 import argparse
+import gc
 from collections.abc import Callable
 
 import numpy as np
@@ -19,8 +20,24 @@ class LaunchError(RuntimeError):
   """The command line asks for what cannot be served (a bad checkpoint, too few devices)."""
 
 
+def freeze_heap() -> None:
+  """Puts every object alive now out of the cyclic collector's reach (`gc.freeze`).
+
+  A server's heap after start-up is mostly jax's, flax's and the model's objects,
+  which live as long as the process, and every full pass of the collector walked
+  them all with the event loop stopped: 114 ms, every few seconds under load (a
+  p99 of 100-135 ms at 1000 requests a second over HTTP, on a stub device and on
+  an H100 alike). Frozen, a full pass walks only what was allocated since.
+  """
+  gc.collect()
+  gc.freeze()
+
+
 def load_ranker(args: argparse.Namespace):
-  """The ranker to serve: the checkpoint's, or random weights without one."""
+  """The ranker to serve: the checkpoint's, or random weights without one; None for a
+  `--device-stub`, which has no parameters."""
+  if args.device_stub:
+    return None
   import jax
   from flax import nnx
 
@@ -69,6 +86,14 @@ def model_builder(args: argparse.Namespace, ranker) -> Callable[[], object]:
     from ikbo_jax.serving.devices import DeviceSet
 
     shapes = buckets(args)
+    if args.device_stub:
+      from ikbo_jax.models.config import PRESETS
+      from ikbo_jax.serving.stub import DeviceStub
+
+      print(f"a device stub of {args.device_stub} ms, no model", flush=True)
+      stub = DeviceStub(PRESETS[args.preset](), shapes, tuple(args.device_stub), args.build)
+      freeze_heap()
+      return stub
     print(f"compiling {len(shapes)} buckets of the {args.build} build on {args.devices} "
           "device(s)...", flush=True)
     progress = lambda bucket, seconds: print(f"  compiled {bucket} in {seconds:.1f} s",
@@ -77,7 +102,8 @@ def model_builder(args: argparse.Namespace, ranker) -> Callable[[], object]:
       model = CachedModel(ranker, shapes, cache_bytes=int(args.cache_mb * 2**20),
                           ttl_seconds=args.cache_ttl_seconds, on_compiled=progress)
     elif args.devices == 1:
-      model = BucketedModel(ranker, shapes, args.build, on_compiled=progress)
+      model = BucketedModel(ranker, shapes, args.build, pinned_host=args.pinned_host,
+                            on_compiled=progress)
     else:
       model = DeviceSet(ranker, shapes, args.build, devices=jax.local_devices()[:args.devices],
                         on_compiled=progress)
@@ -85,6 +111,7 @@ def model_builder(args: argparse.Namespace, ranker) -> Callable[[], object]:
     smoke = ClickGenerator(ranker.config, seed=0).request(0).validated(ranker.config)
     if not np.isfinite(model([smoke])[0]).all():
       raise RuntimeError("a smoke request got non-finite scores: the parameters are broken")
+    freeze_heap()
     return model
 
   return build_model
@@ -110,9 +137,12 @@ def http_server(args: argparse.Namespace, model=None, model_process: str | None 
   limits = HttpLimits(max_body_bytes=args.max_body_bytes, max_active=args.max_active,
                       max_receiving=args.max_receiving,
                       max_receiving_per_peer=args.max_receiving_per_peer)
-  app = create_app(model, batching(args), limits, model_process=model_process)
+  app = create_app(model, batching(args), limits, model_process=model_process,
+                   server_timing=args.server_timing)
   http = guarded_http(args.head_seconds, args.max_head_bytes, args.max_headers)
-  return DrainingServer(uvicorn.Config(
+  server = DrainingServer(uvicorn.Config(
       app, host=args.host, port=args.port, http=http, backlog=args.backlog,
       limit_concurrency=args.max_connections, timeout_keep_alive=args.idle_seconds,
-      timeout_graceful_shutdown=args.drain_seconds))
+      timeout_graceful_shutdown=args.drain_seconds, access_log=args.access_log))
+  freeze_heap()
+  return server

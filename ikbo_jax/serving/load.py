@@ -20,6 +20,7 @@ import uvloop
 
 from ikbo_jax.data import Request, RequestError
 from ikbo_jax.models import Build, Ranker
+from ikbo_jax.serving import stages
 from ikbo_jax.serving.batcher import Batcher, BatchingConfig, DeadlineExceeded, Overloaded
 from ikbo_jax.serving.buckets import Bucket, BucketedModel, default_buckets
 
@@ -45,6 +46,8 @@ class Tally:
   last_arrival: float = 0.0  # the schedule's last send time
   last_sent: float = 0.0  # when the last request actually went out
   max_lag: float = 0.0  # the longest a send ran behind its schedule
+  # Per answered request, its stages in ms (`serving.stages`), where the server sent them.
+  stage_rows: list[dict[str, float]] = dataclasses.field(default_factory=list)
 
 
 def _kind(error: Exception) -> str:
@@ -99,7 +102,9 @@ def summarize(tallies: Sequence[Tally], qps: float) -> dict:
   # What went out: below `offered` when the client itself fell behind its schedule.
   last_sent = max(t.last_sent for t in tallies)
   sent_qps = sent / last_sent if last_sent > 0 else float(sent)
+  rows = [row for t in tallies for row in t.stage_rows]
   return dict(target_qps=qps, offered_qps=offered, sent_qps=sent_qps,
+              **({"stages": stages.summarize(rows)} if rows else {}),
               max_send_lag_ms=1e3 * max(t.max_lag for t in tallies), requests=sent,
               answered=len(latencies),
               errors=sum(errors.values()), errors_by_kind=dict(errors),

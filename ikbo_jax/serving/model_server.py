@@ -6,12 +6,14 @@ processes have read, decoded and validated. Every user's requests meet the
 same cache, however many HTTP processes there are, and batches fill from all
 of them. What it answers (HTTP process -> model process, and back):
 
-    ("score", id, request, timeout_ms) -> ("scores", id, scores)
+    ("score", id, request, timeout_ms, timed) -> ("scores", id, scores, marks)
                                         | ("refused", id, kind, message)
     ("cache", id, "report" | "flush")  -> ("cache", id, report)
     anything that fails otherwise      -> ("error", id, "Type: message")
 
-`kind` names the batcher's exception (`REFUSALS`). A connection is greeted
+`kind` names the batcher's exception (`REFUSALS`); `marks` are the request's
+stages here (`serving.stages`, the first ending when its frame was read) where
+`timed` asks for them, else None. A connection is greeted
 with ("ready", ModelDescription) once the model is built, or ("failed",
 reason) if it could not be; after that the process pushes ("queue",
 expected_wait_ms, queued_requests, queued_candidates, cache_report) whenever
@@ -37,6 +39,7 @@ from ikbo_jax.serving.buckets import Bucket
 from ikbo_jax.serving.cached import CachedModel
 from ikbo_jax.serving.metrics import ServingMetrics
 from ikbo_jax.serving.scorer import Scorer
+from ikbo_jax.serving.stages import StageClock
 
 _LOG = logging.getLogger(__name__)
 
@@ -130,8 +133,11 @@ class ModelServer:
     kind, request_id, *rest = message
     try:
       if kind == "score":
-        request, timeout_ms = rest
-        reply = ("scores", request_id, await self.batcher.score(request, timeout_ms))
+        request, timeout_ms, timed = rest
+        clock = StageClock() if timed else None
+        scores = await self.batcher.score(request, timeout_ms, clock)
+        reply = ("scores", request_id, scores, clock and [("send", clock.marks[0][1]),
+                                                          *clock.marks[1:]])
       elif kind == "cache" and isinstance(self.model, CachedModel):
         if rest == ["flush"]:
           await asyncio.to_thread(self.model.flush)

@@ -21,6 +21,7 @@ from ikbo_jax.data import Request
 from ikbo_jax.serving import frames
 from ikbo_jax.serving.batcher import BatchingConfig, DeadlineExceeded
 from ikbo_jax.serving.model_server import REFUSALS, ModelDescription
+from ikbo_jax.serving.stages import StageClock
 
 
 class ModelUnavailable(RuntimeError):
@@ -79,10 +80,19 @@ class RemoteBatcher:
     """The user-state cache's report as last pushed (None without a cache)."""
     return self._queue[3]
 
-  async def score(self, request: Request, timeout_ms: float | None = None) -> np.ndarray:
-    """As `Batcher.score`; raises `ModelUnavailable` while the model process is gone."""
+  async def score(self, request: Request, timeout_ms: float | None = None,
+                  clock: StageClock | None = None) -> np.ndarray:
+    """As `Batcher.score`; raises `ModelUnavailable` while the model process is gone.
+
+    `clock` gets the model process's stages, the hop there (`send`) and back (`reply`).
+    """
     timeout_ms = timeout_ms or self.config.default_timeout_ms
-    return await self._ask("score", request, timeout_ms, wait_s=timeout_ms / 1e3)
+    scores, marks = await self._ask("score", request, timeout_ms, clock is not None,
+                                    wait_s=timeout_ms / 1e3)
+    if clock is not None:
+      clock.extend(marks)
+      clock.mark("reply")
+    return scores
 
   async def cache(self, action: str) -> dict:
     """The cache's report, after emptying it where `action` is "flush"."""
@@ -149,7 +159,9 @@ class RemoteBatcher:
     future = self._pending.get(message[1])
     if future is None or future.done():  # its caller stopped waiting
       return
-    if kind in ("scores", "cache"):
+    if kind == "scores":
+      future.set_result((message[2], message[3]))
+    elif kind == "cache":
       future.set_result(message[2])
     elif kind == "refused":
       future.set_exception(REFUSALS[message[2]](message[3]))

@@ -12,12 +12,15 @@ Labels are not sent: serving scores, it does not train.
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections.abc import Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ikbo_jax.data import Request, pack_requests
 from ikbo_jax.models import RankerConfig, RankingBatch
 
 _FLOATS = ("user_dense", "cand_dense")
@@ -78,3 +81,27 @@ class FlatLayout:
     """The `RankingBatch` again, from the flat buffer (traced inside the executable)."""
     fields = self.fields_of(flat)
     return RankingBatch(**fields, labels=jnp.zeros(fields["cand_items"].shape, jnp.float32))
+
+
+class HostBuffers:
+  """Each thread's flat host buffer per bucket, allocated once, and requests packed into it.
+
+  A model thread's next call starts after its last one fetched its scores, so
+  the device has read the buffer by then.
+  """
+
+  def __init__(self, config: RankerConfig, layouts: dict[Hashable, FlatLayout]):
+    self._config, self._layouts = config, layouts
+    self._local = threading.local()
+
+  def pack(self, requests: Sequence[Request], bucket) -> np.ndarray:
+    """`requests` packed into this thread's buffer of `bucket` (a key of `layouts` with
+    `num_users`, `num_candidates` and `history_slots`): the flat buffer."""
+    buffers = self._local.__dict__.setdefault("by_bucket", {})
+    if bucket not in buffers:
+      buffers[bucket] = self._layouts[bucket].host_buffer()
+    flat, views = buffers[bucket]
+    pack_requests(requests, self._config, num_users=bucket.num_users,
+                  num_candidates=bucket.num_candidates, history_slots=bucket.history_slots,
+                  out=views)
+    return flat
