@@ -129,14 +129,16 @@ def test_server_timing_tells_each_answer_its_stages_in_one_process_and_across_tw
   assert marks == ["send", *IN_PROCESS, "reply"]
 
 
-def test_freezing_the_heap_leaves_startup_objects_out_of_full_collections():
-  from ikbo_jax.serving.launch import freeze_heap
+def test_a_serving_process_freezes_its_startup_heap_and_collects_young_less_often():
+  from ikbo_jax.serving.launch import tune_gc
 
+  threshold = gc.get_threshold()
   try:
-    freeze_heap()
-    assert gc.get_freeze_count() > 0
+    tune_gc()
+    assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] > threshold[0]
   finally:
     gc.unfreeze()
+    gc.set_threshold(*threshold)
 
 
 def test_the_in_process_profile_runs_on_the_stub(tmp_path):
