@@ -126,7 +126,7 @@ def test_server_timing_tells_each_answer_its_stages_in_one_process_and_across_tw
     return [stage for stage, _ in clock.marks[1:]]
 
   marks = asyncio.run(_with_model_server(lambda: stub, BatchingConfig(), remote_body))
-  assert marks == ["send", *IN_PROCESS, "reply"]
+  assert marks == ["validate", "send", *IN_PROCESS, "reply"]  # checked before it is sent
 
 
 def test_a_serving_process_freezes_its_startup_heap_and_collects_young_less_often():

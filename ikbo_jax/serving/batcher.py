@@ -177,22 +177,22 @@ class Batcher:
             / self.config.max_in_flight)
 
   async def score(self, request: Request, timeout_ms: float | None = None,
-                  clock: StageClock | None = None) -> np.ndarray:
+                  clock: StageClock | None = None, *, checked: bool = False) -> np.ndarray:
     """The request's click probabilities in its candidate order.
 
     Raises `RequestError` if the request is bad, `Overloaded` if the queue is at
     its bound, `DeadlineExceeded` if it was still queued `timeout_ms` (default
     `config.default_timeout_ms`) after it arrived. `clock` gets the request's
     stages from its queueing to its answer (its first piece's, if it is split).
+    `checked` says the request is already `check_request`'s answer for this model
+    (the model process's requests, checked by the HTTP process that read them).
     """
     if self._task is None or self._task.done():
       raise RuntimeError("the batcher is not running: use `async with Batcher(...)`")
-    request = request.validated(self.model.config)
-    _check_feature_range(request, getattr(self.model, "max_abs_feature", math.inf))
     largest = self.model.largest
-    if len(request.history) > largest.history_slots:
-      raise RequestError(f"history has {len(request.history)} items; the largest bucket takes "
-                         f"{largest.history_slots}")
+    if not checked:
+      request = check_request(request, self.model.config,
+                              getattr(self.model, "max_abs_feature", math.inf), largest)
     if timeout_ms is not None and not timeout_ms > 0:
       raise RequestError(f"the timeout must be > 0 ms, got {timeout_ms!r}")
     pieces = _split(request, largest.num_candidates)
@@ -377,6 +377,17 @@ def _split(request: Request, max_candidates: int) -> list[Request]:
       cand_dense=request.cand_dense[i:i + max_candidates],
       labels=None if request.labels is None else request.labels[i:i + max_candidates])
           for i in range(0, request.num_candidates, max_candidates)]
+
+
+def check_request(request: Request, config, max_abs_feature: float, largest: Bucket) -> Request:
+  """`request` validated against the model (`Request.validated`), its dense features within
+  `max_abs_feature` and its history within `largest`'s slots, or a `RequestError`."""
+  request = request.validated(config)
+  _check_feature_range(request, max_abs_feature)
+  if len(request.history) > largest.history_slots:
+    raise RequestError(f"history has {len(request.history)} items; the largest bucket takes "
+                       f"{largest.history_slots}")
+  return request
 
 
 def _check_feature_range(request: Request, bound: float) -> None:

@@ -2,7 +2,8 @@
 
 It holds the one model (and its user-state cache) and the one `Batcher`, and
 listens on a Unix socket (`serving.frames`) for the requests that the HTTP
-processes have read, decoded and validated. Every user's requests meet the
+processes have read, decoded and checked against the model (`ModelDescription.check`,
+which its batcher does not repeat). Every user's requests meet the
 same cache, however many HTTP processes there are, and batches fill from all
 of them. What it answers (HTTP process -> model process, and back):
 
@@ -27,14 +28,16 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import signal
 from collections.abc import Callable
 
-from ikbo_jax.data import RequestError
+from ikbo_jax.data import Request, RequestError
 from ikbo_jax.models import Build, RankerConfig
 from ikbo_jax.serving import frames
-from ikbo_jax.serving.batcher import Batcher, BatchingConfig, DeadlineExceeded, Overloaded
+from ikbo_jax.serving.batcher import (Batcher, BatchingConfig, DeadlineExceeded, Overloaded,
+                                     check_request)
 from ikbo_jax.serving.buckets import Bucket
 from ikbo_jax.serving.cached import CachedModel
 from ikbo_jax.serving.metrics import ServingMetrics
@@ -54,10 +57,16 @@ class ModelDescription:
   build: Build
   buckets: tuple[Bucket, ...]
   has_cache: bool
+  max_abs_feature: float  # the model's valid range of dense features (`models.valid_range`)
 
   @classmethod
   def of(cls, model: Scorer) -> ModelDescription:
-    return cls(model.config, model.build, tuple(model.buckets), isinstance(model, CachedModel))
+    return cls(model.config, model.build, tuple(model.buckets), isinstance(model, CachedModel),
+               getattr(model, "max_abs_feature", math.inf))
+
+  def check(self, request: Request) -> Request:
+    """`request` checked as the model's batcher would (`batcher.check_request`)."""
+    return check_request(request, self.config, self.max_abs_feature, self.buckets[-1])
 
 
 class ModelServer:
@@ -135,7 +144,9 @@ class ModelServer:
       if kind == "score":
         request, timeout_ms, timed = rest
         clock = StageClock() if timed else None
-        scores = await self.batcher.score(request, timeout_ms, clock)
+        # Checked by the HTTP process that read it (`RemoteBatcher.score`): the one process
+        # every request goes through does no per-request work another process can do.
+        scores = await self.batcher.score(request, timeout_ms, clock, checked=True)
         reply = ("scores", request_id, scores, clock and [("send", clock.marks[0][1]),
                                                           *clock.marks[1:]])
       elif kind == "cache" and isinstance(self.model, CachedModel):

@@ -87,6 +87,10 @@ class RemoteBatcher:
     `clock` gets the model process's stages, the hop there (`send`) and back (`reply`).
     """
     timeout_ms = timeout_ms or self.config.default_timeout_ms
+    if self.model is not None:  # else `_ask` refuses: no model process yet
+      request = self.model.check(request)  # here, not in the one model process
+      if clock is not None:
+        clock.mark("validate")
     scores, marks = await self._ask("score", request, timeout_ms, clock is not None,
                                     wait_s=timeout_ms / 1e3)
     if clock is not None:
