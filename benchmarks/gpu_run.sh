@@ -11,7 +11,7 @@
 # "system" (the ranking system benchmark and the main job at the benchmark preset),
 # "serving" (checkpoint cost, the serving ladder three times, a profiler trace under load),
 # "host_path" (variants of a call's transfer, execution and fetch), "host_stages" (each
-# stage of a request in process: the call, lone requests, load; put vs pinned host memory),
+# stage of a request in process: the call, lone requests, load),
 # "http_cost" (the HTTP server's CPU per request on this host, JSON and msgpack bodies),
 # "cache" (the serving ladder once, then the user-state cache at two budgets),
 # "cache_soak" (tools/cache_soak.py for SOAK_MINUTES),
@@ -204,15 +204,15 @@ if has overload; then
     2>&1 | grep -v Warning | tee "$OUT/overload.log" | cut -c1-400 | tail -n 12
 fi
 if has host_stages; then
-  # Where a request's time goes in process: the model's call stages (put before the call,
-  # or pinned host memory copied by the program), lone requests and load through the batcher.
+  # Where a request's time goes in process: the model's call stages, lone requests and
+  # load through the batcher.
   timeout "${HOST_STAGES_TIMEOUT:-240}" python3 -m benchmarks.host_stages \
     --out "$OUT/host_stages_${TAG}.json" 2>&1 | grep -v Warning | cut -c1-700 | tail -n 14
 fi
 if has http_front; then
   # The sustained rate over HTTP with 1, 2, 4 and 8 HTTP processes feeding one model process
   # (HTTP_FRONT_PROCESSES to choose), each run written as it ends; HTTP_FRONT_ARGS adds
-  # options (--server-timing: every answer's stages; --pinned-host).
+  # options (--server-timing: every answer's stages).
   timeout "${HTTP_FRONT_TIMEOUT:-560}" python3 -m benchmarks.http_front ${HTTP_FRONT_ARGS:-} \
     --http-processes ${HTTP_FRONT_PROCESSES:-1 2 4 8} --out "$OUT/http_front_${TAG}.json" 2>&1 \
     | grep -v Warning | cut -c1-300 | tail -n 30

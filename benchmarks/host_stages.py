@@ -4,8 +4,7 @@
     python -m benchmarks.host_stages --stub 0.232 1.057 --out stages.json    # no GPU: a stub
 
 For the benchmark preset's Zipf trace (70 candidates a request), through
-`BucketedModel` (both ways of moving a batch: put on the device before the
-call, or in pinned host memory copied by the program) or, with `--stub`, a
+`BucketedModel` or, with `--stub`, a
 `DeviceStub` that takes the given device times of the smallest and the largest
 bucket (an H100's by default: the host path worked on without a GPU):
 
@@ -76,7 +75,7 @@ async def _through_batcher(served, requests, rate: float | None, batching: Batch
 
 
 def served_models(args, config, buckets) -> dict:
-  """The models to profile, by name: the stub, or the real model both ways of moving a batch."""
+  """The model to profile, by name: the stub, or the IKBO build."""
   if args.stub:
     from ikbo_jax.serving.stub import DeviceStub
 
@@ -86,9 +85,7 @@ def served_models(args, config, buckets) -> dict:
   from ikbo_jax.models import Ranker
   from ikbo_jax.serving import BucketedModel
 
-  ranker = Ranker(config, rngs=nnx.Rngs(0))
-  return {name: BucketedModel(ranker, buckets, "ikbo", pinned_host=pinned)
-          for name, pinned in (("put", False), ("pinned_host", True))}
+  return {"ikbo": BucketedModel(Ranker(config, rngs=nnx.Rngs(0)), buckets, "ikbo")}
 
 
 def main() -> None:

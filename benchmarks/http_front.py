@@ -18,8 +18,7 @@ With `--server-timing`, the server sends each answer's stages and every rate's
 row holds their percentiles (`ikbo_jax.serving.stages`: where a request's time
 goes over HTTP). With `--stub FIRST_MS LAST_MS` the server runs a `DeviceStub`
 of those device times instead of the model (the HTTP path on a host without a
-GPU; each answer is checked against the stub's scores); `--pinned-host` moves
-the model's batches through pinned host memory.
+GPU; each answer is checked against the stub's scores).
 
 With `--replicas`, each N is instead N one-process servers, each with its own
 copy of the model on the device, its own batcher and port, the client processes
@@ -143,8 +142,6 @@ def main() -> None:
                       help="collect each answer's stages from its Server-Timing header")
   parser.add_argument("--stub", type=float, nargs=2, metavar=("FIRST_MS", "LAST_MS"),
                       help="serve a DeviceStub of these device times instead of the model")
-  parser.add_argument("--pinned-host", action="store_true",
-                      help="the model's batches move through pinned host memory")
   parser.add_argument("--iterations", type=int, help="ignored (the scripts' common flag)")
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
@@ -168,8 +165,7 @@ def main() -> None:
   server_args = ["--max-queued-candidates", str(queue), "--timeout-ms",
                  str(0.75 * args.budget_ms), "--max-batch-requests", "32",
                  *(["--server-timing"] if args.server_timing else []),
-                 *(["--device-stub", *map(str, args.stub)] if args.stub else []),
-                 *(["--pinned-host"] if args.pinned_host else [])]
+                 *(["--device-stub", *map(str, args.stub)] if args.stub else [])]
   payload = dict(**common.metadata(), preset=preset, budget_p99_ms=args.budget_ms,
                  mean_candidates=args.mean_candidates, client_processes=args.client_processes,
                  seconds_per_rate=args.seconds_per_rate, server_args=server_args,

@@ -1,4 +1,4 @@
-"""The host path's profile: stage clocks, the device stub, pinned host transfers, Server-Timing."""
+"""The host path's profile: stage clocks, the device stub, staged calls, Server-Timing."""
 
 import asyncio
 import gc
@@ -90,20 +90,18 @@ def test_a_clocked_request_gets_every_stage_of_the_batcher_in_order():
     assert clock.durations_ms()["d2h"] >= 0.9  # the stub's device time is in the wait
 
 
-def test_pinned_host_transfers_give_the_same_scores_and_stages():
+def test_a_staged_call_gives_the_plain_call_s_scores_and_marks_its_stages():
   config = RankerConfig(num_items=300, max_history=16)
-  ranker = Ranker(config, rngs=nnx.Rngs(0))
+  served = BucketedModel(Ranker(config, rngs=nnx.Rngs(0)), [Bucket(64, 8, 16)])
   requests = [r.validated(config) for r in ClickGenerator(config, seed=1).requests(5)]
-  put = BucketedModel(ranker, [Bucket(64, 8, 16)])
-  pinned = BucketedModel(ranker, [Bucket(64, 8, 16)], pinned_host=True)
-  for a, b in zip(put(requests), pinned(requests)):
-    np.testing.assert_array_equal(a, b)
+  plain = served(requests)
   for waited, stages in ((False, ["pack", "launch", "d2h"]),
                          (True, ["pack", "h2d", "execute", "d2h"])):
     marks = []
-    pinned.staged(requests, marks, waited)
+    for a, b in zip(plain, served.staged(requests, marks, waited)):
+      np.testing.assert_array_equal(a, b)
     assert [stage for stage, _ in marks] == stages
-  assert set(pinned.call_breakdown(requests)) == {"pack", "transfer", "execute", "fetch"}
+  assert set(served.call_breakdown(requests)) == {"pack", "transfer", "execute", "fetch"}
 
 
 def test_server_timing_tells_each_answer_its_stages_in_one_process_and_across_two():

@@ -95,9 +95,6 @@ def main(argv=None) -> None:
                            "model runs in a process of its own that they all feed "
                            "(ikbo_jax.serving.processes), and the connection and body limits "
                            "above hold per HTTP process")
-  parser.add_argument("--pinned-host", action="store_true",
-                      help="batches go to each program in pinned host memory and their scores "
-                           "come back there, copied by the program itself (one device)")
   parser.add_argument("--server-timing", action="store_true",
                       help="every answer of POST /score carries its stages (body, decode, "
                            "queue, pack, ..., in ms) in a Server-Timing header")
@@ -124,8 +121,6 @@ def _serve(args, parser) -> None:
   if args.device_stub and (args.checkpoint_dir or args.cache_mb or args.devices != 1):
     parser.error("--device-stub stands for the model: it takes no --checkpoint-dir, "
                  "--cache-mb or --devices")
-  if args.pinned_host and (args.cache_mb or args.devices != 1):
-    parser.error("--pinned-host serves one BucketedModel: it takes no --cache-mb or --devices")
   if args.http_processes < 1:
     parser.error(f"--http-processes must be >= 1, got {args.http_processes}")
   if args.http_processes > 1:

@@ -101,17 +101,12 @@ class BucketedModel:
     build: which forward pass serves (`Build`, or its name).
     device: where the parameters live and the executables run (default: jax's default
       device); `ikbo_jax.serving.DeviceSet` keeps one `BucketedModel` per device.
-    pinned_host: the batch goes to the program in pinned host memory, and the program
-      itself copies it to the device and its scores back to pinned host memory (a copy
-      each way on the program's stream, no separate transfer and no staging copy);
-      otherwise the batch is put on the device before the call and the scores fetched
-      after it.
     on_compiled: called with each bucket and its compile time in seconds as it
       is compiled (the command line prints them: compiling takes a while).
   """
 
   def __init__(self, model: Ranker, buckets: Sequence[Bucket], build: Build = Build.IKBO, *,
-               device: jax.Device | None = None, pinned_host: bool = False,
+               device: jax.Device | None = None,
                on_compiled: Callable[[Bucket, float], None] | None = None):
     build = Build.parse(build)
     config = model.config
@@ -119,23 +114,17 @@ class BucketedModel:
       raise ValueError(f"serving takes models without a group level; this one has one "
                        f"(RankerConfig.group_dense={config.group_dense}): its buckets would need "
                        "group slots, which the serving path does not pack yet")
-    self.config, self.build, self.pinned_host = config, build, pinned_host
+    self.config, self.build = config, build
     self.buckets = checked_buckets(buckets, config)
     self.max_abs_feature = max_abs_dense_feature(model)  # the batcher refuses larger features
     graphdef, state = nnx.split(model)
 
     def probabilities(layout: FlatLayout, state, flat: jax.Array) -> jax.Array:
-      if pinned_host:
-        flat = jax.device_put(flat, jax.memory.Space.Device)
       model = nnx.merge(graphdef, state)
-      out = jax.nn.sigmoid(scores(model, layout.unflatten(flat), build))
-      return jax.device_put(out, jax.memory.Space.Host) if pinned_host else out
+      return jax.nn.sigmoid(scores(model, layout.unflatten(flat), build))
 
     self.device = device or jax.devices()[0]
     self._placement = jax.sharding.SingleDeviceSharding(self.device)
-    # Where a call's batch goes before the program runs: the device, or pinned host memory.
-    self._input = jax.sharding.SingleDeviceSharding(
-        self.device, memory_kind="pinned_host" if pinned_host else None)
     state = jax.device_put(state, self._placement)
     # By bucket: the parameter leaves its program takes, cast once where it only reads
     # them cast (`precast`; the cast copies are shared by the buckets).
@@ -145,7 +134,7 @@ class BucketedModel:
       start = time.perf_counter()
       layout = FlatLayout.of(config, bucket.num_users, bucket.num_candidates,
                              bucket.history_slots)
-      flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self._input)
+      flat = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self._placement)
       self._layouts[bucket] = layout
       self._jitted[bucket], self._params[bucket] = jit_hoisted(
           functools.partial(probabilities, layout), state, flat, cache=casts)
@@ -163,7 +152,7 @@ class BucketedModel:
     """
     flat = self._host_buffers.pack([], bucket)
     jax.block_until_ready(self._executables[bucket](self._params[bucket],
-                                                    jax.device_put(flat, self._input)))
+                                                    jax.device_put(flat, self._placement)))
 
   @property
   def largest(self) -> Bucket:
@@ -191,7 +180,7 @@ class BucketedModel:
     bucket = bucket_holding(self.buckets, requests)
     host = self._host_buffers.pack(requests, bucket)
     mark("pack")
-    flat = jax.device_put(host, self._input)
+    flat = jax.device_put(host, self._placement)
     if waited:
       jax.block_until_ready(flat)
       mark("h2d")
@@ -218,7 +207,7 @@ class BucketedModel:
     bucket = bucket_holding(self.buckets, requests)
     host = self._host_buffers.pack(requests, bucket)
     return (functools.partial(self._jitted[bucket], self._params[bucket]),
-            jax.device_put(host.copy(), self._input))
+            jax.device_put(host.copy(), self._placement))
 
   def call_breakdown(self, requests: Sequence[Request]) -> dict[str, float]:
     """Seconds of each stage of one call, each waited for: pack, transfer, execute, fetch.

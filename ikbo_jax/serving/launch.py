@@ -112,8 +112,7 @@ def model_builder(args: argparse.Namespace, ranker) -> Callable[[], object]:
       model = CachedModel(ranker, shapes, cache_bytes=int(args.cache_mb * 2**20),
                           ttl_seconds=args.cache_ttl_seconds, on_compiled=progress)
     elif args.devices == 1:
-      model = BucketedModel(ranker, shapes, args.build, pinned_host=args.pinned_host,
-                            on_compiled=progress)
+      model = BucketedModel(ranker, shapes, args.build, on_compiled=progress)
     else:
       model = DeviceSet(ranker, shapes, args.build, devices=jax.local_devices()[:args.devices],
                         on_compiled=progress)
