@@ -170,8 +170,8 @@ class BucketedModel:
              waited: bool = False) -> list[np.ndarray]:
     """A call that appends each stage's (name, end time) to `marks` (`serving.stages`).
 
-    Plain, its stages are `pack`, `launch` (the batch's transfer and the program
-    enqueued: the call does not wait for the device) and `d2h` (the program done
+    Plain, its stages are `pack`, `launch` (the program called on the host buffer,
+    which the call moves to the device; it does not wait for the device) and `d2h` (the program done
     and its scores on the host); `waited` waits for each of `pack`, `h2d`,
     `execute` and `d2h` apart, which separates them at the cost of a wait between.
     """
@@ -180,10 +180,13 @@ class BucketedModel:
     bucket = bucket_holding(self.buckets, requests)
     host = self._host_buffers.pack(requests, bucket)
     mark("pack")
-    flat = jax.device_put(host, self._placement)
     if waited:
-      jax.block_until_ready(flat)
+      flat = jax.block_until_ready(jax.device_put(host, self._placement))
       mark("h2d")
+    else:
+      # The call moves the host buffer itself: on an H100 a lone request's call took 0.70
+      # ms so, against 1.06 ms with `jax.device_put` first (its Python path is the cost).
+      flat = host
     probabilities = self._executables[bucket](self._params[bucket], flat)
     if waited:
       jax.block_until_ready(probabilities)
