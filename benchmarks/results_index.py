@@ -44,6 +44,7 @@ PRODUCERS = {
     "http_server_cost_overload": "benchmarks/http_server_cost.py --overload 3",
     "serving_ladder": "benchmarks/ranking_system.py --parts serving (from its log)",
     "host_path": "benchmarks/host_path.py",
+    "host_stages": "benchmarks/host_stages.py",
     "checkpoint_cost": "benchmarks/checkpoint_cost.py (ranking_system --parts checkpoint; from its log)",
     "rewrite_fuzz": "tools/rewrite_fuzz.py",
     "rewrite_two_level": "tests/test_rewrite_two_level.py, long profile",
