@@ -23,7 +23,10 @@ GPU; each answer is checked against the stub's scores).
 With `--replicas`, each N is instead N one-process servers, each with its own
 copy of the model on the device, its own batcher and port, the client processes
 split evenly between them (a round-robin balancer in front, without its cost):
-the front this design was chosen over, measured on the same trace.
+the front this design was chosen over, measured on the same trace. With
+`--balancer haproxy` too, the replicas sit behind HAProxy's one port
+(`ikbo_jax.serving.haproxy`: Debian's `haproxy` on PATH), every request carrying
+its user's `X-User-Id`, each user's requests hashed to one replica.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from benchmarks.serving_load import reference_scores, server_metrics, wait_ready
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.models.config import PRESETS
-from ikbo_jax.serving import bodies, http_load, stages
+from ikbo_jax.serving import bodies, haproxy, http_load, stages
 from ikbo_jax.testing import loopback
 
 
@@ -77,13 +80,15 @@ def holds(stats: dict, budget_ms: float) -> bool:
 
 
 def ladder(urls: list[str], requests, expected, rates, seconds: float, clients: int,
-           budget_ms: float, tolerance: float) -> tuple[float, list[dict]]:
+           budget_ms: float, tolerance: float,
+           user_header: bool = False) -> tuple[float, list[dict]]:
   """The highest of `rates` held, and every rate's stats, climbing until one fails."""
   held, rows = 0.0, []
   for rate in rates:
     stats = http_load.over_http(urls, requests, qps=rate, max_seconds=seconds,
                                 processes=clients, cycle=True, content_type=bodies.MSGPACK,
-                                expected=expected, score_tolerance=tolerance)
+                                expected=expected, score_tolerance=tolerance,
+                                user_header=user_header)
     rows.append(stats)
     ok = holds(stats, budget_ms)
     print(f"  {rate:.0f}/s: p99 {stats['p99_ms']:.1f} ms, answered {stats['achieved_qps']:.0f}/s,"
@@ -106,17 +111,36 @@ def start(preset: str, http_processes: int, mean_candidates: float, server_args:
   return f"http://127.0.0.1:{port}", server, log
 
 
+def start_haproxy(urls: list[str]):
+  """HAProxy (`serving.haproxy`) in front of `urls`, starting: (url, process, log)."""
+  port = loopback.free_port()
+  backends = [("127.0.0.1", int(u.rsplit(":", 1)[1])) for u in urls]
+  path = os.path.join(tempfile.mkdtemp(), "haproxy.cfg")
+  with open(path, "w") as f:
+    f.write(haproxy.config(backends, port))
+  log = tempfile.TemporaryFile()
+  proxy = subprocess.Popen(["haproxy", "-db", "-f", path], stdout=log, stderr=subprocess.STDOUT)
+  return f"http://127.0.0.1:{port}", proxy, log
+
+
 @contextlib.contextmanager
-def serving(preset: str, n: int, replicas: bool, mean_candidates: float, server_args: list[str]):
-  """The urls of one server of `n` HTTP processes, or of `n` one-process replicas, ready;
-  stopped (SIGTERM) on leaving."""
+def serving(preset: str, n: int, replicas: bool, mean_candidates: float, server_args: list[str],
+            balancer: bool = False):
+  """The urls of one server of `n` HTTP processes, or of `n` one-process replicas (behind
+  HAProxy's one url with `balancer`), ready; stopped (SIGTERM) on leaving."""
   started = []
   try:
     for _ in range(n if replicas else 1):
       started.append(start(preset, 1 if replicas else n, mean_candidates, server_args))
     for url, server, log in started:
       wait_ready(url, server, log, 900)
-    yield [url for url, _, _ in started]
+    if balancer:
+      url, proxy, log = start_haproxy([u for u, _, _ in started])
+      started.append((url, proxy, log))
+      wait_ready(url, proxy, log, 30)
+      yield [url]
+    else:
+      yield [url for url, _, _ in started]
   finally:
     for _, server, _ in started:
       server.send_signal(signal.SIGTERM)
@@ -138,6 +162,9 @@ def main() -> None:
   parser.add_argument("--pool", type=int, default=2000, help="distinct requests cycled through")
   parser.add_argument("--replicas", action="store_true",
                       help="N one-process servers with a model each instead of N HTTP processes")
+  parser.add_argument("--balancer", choices=["haproxy"],
+                      help="with --replicas: the replicas behind HAProxy's one port, hashing "
+                           "each request's X-User-Id (serving.haproxy)")
   parser.add_argument("--server-timing", action="store_true",
                       help="collect each answer's stages from its Server-Timing header")
   parser.add_argument("--stub", type=float, nargs=2, metavar=("FIRST_MS", "LAST_MS"),
@@ -170,18 +197,22 @@ def main() -> None:
                  mean_candidates=args.mean_candidates, client_processes=args.client_processes,
                  seconds_per_rate=args.seconds_per_rate, server_args=server_args,
                  host_cpus=os.cpu_count(),
-                 front="replicas" if args.replicas else "model_process", runs={})
+                 front=("replicas" + (f" behind {args.balancer}" if args.balancer else "")
+                        if args.replicas else "model_process"), runs={})
   what = "replicas" if args.replicas else "HTTP processes"
   for n in args.http_processes:
-    if args.replicas and args.client_processes % n:
+    if args.balancer and not args.replicas:
+      raise SystemExit("--balancer puts replicas behind one port: give --replicas too")
+    if args.replicas and not args.balancer and args.client_processes % n:
       raise SystemExit(f"--replicas: --client-processes {args.client_processes} must be a "
                        f"multiple of each N, got N = {n}")
-    with serving(preset, n, args.replicas, args.mean_candidates, server_args) as urls:
+    with serving(preset, n, args.replicas, args.mean_candidates, server_args,
+                 balancer=bool(args.balancer)) as urls:
       row = dict(lone=lone_requests(urls[0], requests, args.lone))
       print(f"{n} {what}: lone request p50 {row['lone']['p50_ms']:.2f} ms", flush=True)
       row["sustained_qps"], row["ladder"] = ladder(
           urls, requests, expected, args.rates, args.seconds_per_rate, args.client_processes,
-          args.budget_ms, tolerance)
+          args.budget_ms, tolerance, user_header=bool(args.balancer))
       row["server"] = [server_metrics(url) for url in urls]
       print(f"{n} {what}: sustained {row['sustained_qps']:.0f}/s", flush=True)
     payload["runs"][str(n)] = row

@@ -30,7 +30,7 @@ import numpy as np
 import uvloop
 
 from ikbo_jax.data import Request, RequestError
-from ikbo_jax.serving import bodies, stages
+from ikbo_jax.serving import bodies, haproxy, stages
 from ikbo_jax.serving.load import Refused, Tally, drive, summarize
 
 
@@ -38,7 +38,7 @@ def over_http(url: str | Sequence[str], requests: Sequence[Request], *, qps: flo
               max_seconds: float = 60.0, processes: int = 1, connections: int = 256,
               cycle: bool = False,
               content_type: str = bodies.JSON, expected: Sequence[np.ndarray] | None = None,
-              score_tolerance: float = 0.0) -> dict:
+              score_tolerance: float = 0.0, user_header: bool = False) -> dict:
   """Latency stats of `requests` sent to `url` at `qps`, from `processes` processes.
 
   `url` may be several servers' (replicas of one model): client `p` sends to
@@ -48,7 +48,8 @@ def over_http(url: str | Sequence[str], requests: Sequence[Request], *, qps: flo
   Each request goes once, or with `cycle` over and over until `max_seconds`, as
   bodies of `content_type` (`serving.bodies.CONTENT_TYPES`); with `expected`
   (each request's probabilities), answers further than `score_tolerance` from
-  them count as `wrong_score`.
+  them count as `wrong_score`. With `user_header`, each request carries its user's
+  `X-User-Id` (`serving.haproxy.user_id`), what a balancer in front of replicas hashes on.
   """
   if not (processes >= 1 and connections >= 1 and qps > 0 and len(requests) >= processes):
     raise ValueError(f"need processes >= 1, connections >= 1, qps > 0 and a request per "
@@ -59,7 +60,10 @@ def over_http(url: str | Sequence[str], requests: Sequence[Request], *, qps: flo
   if expected is not None and len(expected) != len(requests):
     raise ValueError(f"expected holds {len(expected)} score arrays for {len(requests)} requests")
   payloads = [(bodies.encode(r, content_type), None if expected is None else
-               np.asarray(expected[i], np.float32)) for i, r in enumerate(requests)]
+               np.asarray(expected[i], np.float32),
+               {"content-type": content_type,
+                **({haproxy.USER_HEADER: haproxy.user_id(r)} if user_header else {})})
+              for i, r in enumerate(requests)]
   counts = [r.num_candidates for r in requests]
   arrivals = qps * max_seconds if cycle else 0
   shares = [(urls[p % len(urls)], *_share(payloads, counts, p, processes, arrivals),
@@ -103,12 +107,11 @@ def _client(url: str, payloads: list, counts: list[int], qps: float, max_seconds
     connector = aiohttp.TCPConnector(limit=connections, keepalive_timeout=1.0)
     async with aiohttp.ClientSession(url, connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=60.0)) as session:
-      async def send(payload: tuple[bytes, np.ndarray | None]):
-        body, want = payload
+      async def send(payload: tuple[bytes, np.ndarray | None, dict]):
+        body, want, headers = payload
         try:
           start = time.perf_counter()
-          async with session.post("/score", data=body,
-                                  headers={"content-type": content_type}) as response:
+          async with session.post("/score", data=body, headers=headers) as response:
             if response.status == 400:
               raise RequestError((await response.json())["error"])
             answer = await response.read()
