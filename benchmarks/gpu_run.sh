@@ -219,7 +219,7 @@ if has http_front; then
 fi
 if has http_replicas; then
   # The front it was chosen over: N one-process servers with a model each (HTTP_REPLICAS).
-  timeout "${HTTP_FRONT_TIMEOUT:-560}" python3 -m benchmarks.http_front --replicas \
+  timeout "${HTTP_FRONT_TIMEOUT:-560}" python3 -m benchmarks.http_front --replicas ${HTTP_FRONT_ARGS:-} \
     --http-processes ${HTTP_REPLICAS:-2 4 8} --out "$OUT/http_replicas_${TAG}.json" 2>&1 \
     | grep -v Warning | cut -c1-300 | tail -n 30
 fi
