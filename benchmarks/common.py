@@ -89,3 +89,27 @@ def metadata() -> dict:
 def write_json(path: str, payload: dict) -> None:
   with open(path, "w") as f:
     json.dump(payload, f, indent=1)
+
+
+def process_tree_cpu_seconds(pids) -> float:
+  """User + system CPU seconds of the processes `pids` and all their descendants (Linux /proc).
+
+  A process that ended between the walk and the read counts as nothing.
+  """
+  ticks, seen, todo = 0, set(), list(pids)
+  hertz = os.sysconf("SC_CLK_TCK")
+  while todo:
+    pid = todo.pop()
+    if pid in seen:
+      continue
+    seen.add(pid)
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+      ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+      for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+          todo.extend(int(child) for child in f.read().split())
+    except (FileNotFoundError, ProcessLookupError):
+      continue
+  return ticks / hertz

@@ -79,20 +79,29 @@ def holds(stats: dict, budget_ms: float) -> bool:
           and stats["sent_qps"] >= 0.95 * stats["offered_qps"] and resets == 0)
 
 
-def ladder(urls: list[str], requests, expected, rates, seconds: float, clients: int,
-           budget_ms: float, tolerance: float,
+def ladder(urls: list[str], pids: list[int], requests, expected, rates, seconds: float,
+           clients: int, budget_ms: float, tolerance: float,
            user_header: bool = False) -> tuple[float, list[dict]]:
-  """The highest of `rates` held, and every rate's stats, climbing until one fails."""
+  """The highest of `rates` held, and every rate's stats, climbing until one fails.
+
+  Each row holds the server's CPU time per answered request: every process of `pids`
+  and their children (HTTP processes, the model process, a balancer), over the run.
+  """
   held, rows = 0.0, []
   for rate in rates:
+    cpu = common.process_tree_cpu_seconds(pids)
     stats = http_load.over_http(urls, requests, qps=rate, max_seconds=seconds,
                                 processes=clients, cycle=True, content_type=bodies.MSGPACK,
                                 expected=expected, score_tolerance=tolerance,
                                 user_header=user_header)
+    stats["server_cpu_ms_per_request"] = (
+        1e3 * (common.process_tree_cpu_seconds(pids) - cpu) / max(stats["answered"], 1))
     rows.append(stats)
     ok = holds(stats, budget_ms)
     print(f"  {rate:.0f}/s: p99 {stats['p99_ms']:.1f} ms, answered {stats['achieved_qps']:.0f}/s,"
-          f" errors {stats['errors_by_kind']} -> {'held' if ok else 'not held'}", flush=True)
+          f" errors {stats['errors_by_kind']}, server CPU "
+          f"{stats['server_cpu_ms_per_request']:.2f} ms a request -> "
+          f"{'held' if ok else 'not held'}", flush=True)
     if not ok:
       break
     held = rate
@@ -126,7 +135,7 @@ def start_haproxy(urls: list[str]):
 @contextlib.contextmanager
 def serving(preset: str, n: int, replicas: bool, mean_candidates: float, server_args: list[str],
             balancer: bool = False):
-  """The urls of one server of `n` HTTP processes, or of `n` one-process replicas (behind
+  """(urls, pids) of one server of `n` HTTP processes, or of `n` one-process replicas (behind
   HAProxy's one url with `balancer`), ready; stopped (SIGTERM) on leaving."""
   started = []
   try:
@@ -138,9 +147,9 @@ def serving(preset: str, n: int, replicas: bool, mean_candidates: float, server_
       url, proxy, log = start_haproxy([u for u, _, _ in started])
       started.append((url, proxy, log))
       wait_ready(url, proxy, log, 30)
-      yield [url]
+      yield [url], [p.pid for _, p, _ in started]
     else:
-      yield [url for url, _, _ in started]
+      yield [url for url, _, _ in started], [p.pid for _, p, _ in started]
   finally:
     for _, server, _ in started:
       server.send_signal(signal.SIGTERM)
@@ -207,12 +216,12 @@ def main() -> None:
       raise SystemExit(f"--replicas: --client-processes {args.client_processes} must be a "
                        f"multiple of each N, got N = {n}")
     with serving(preset, n, args.replicas, args.mean_candidates, server_args,
-                 balancer=bool(args.balancer)) as urls:
+                 balancer=bool(args.balancer)) as (urls, pids):
       row = dict(lone=lone_requests(urls[0], requests, args.lone))
       print(f"{n} {what}: lone request p50 {row['lone']['p50_ms']:.2f} ms", flush=True)
       row["sustained_qps"], row["ladder"] = ladder(
-          urls, requests, expected, args.rates, args.seconds_per_rate, args.client_processes,
-          args.budget_ms, tolerance, user_header=bool(args.balancer))
+          urls, pids, requests, expected, args.rates, args.seconds_per_rate,
+          args.client_processes, args.budget_ms, tolerance, user_header=bool(args.balancer))
       row["server"] = [server_metrics(url) for url in urls]
       print(f"{n} {what}: sustained {row['sustained_qps']:.0f}/s", flush=True)
     payload["runs"][str(n)] = row

@@ -45,6 +45,7 @@ PRODUCERS = {
     "serving_ladder": "benchmarks/ranking_system.py --parts serving (from its log)",
     "host_path": "benchmarks/host_path.py",
     "host_stages": "benchmarks/host_stages.py",
+    "reply_coalescing": "an experiment: /proc CPU of the model process around http_front.py --stub (the code left the library)",
     "checkpoint_cost": "benchmarks/checkpoint_cost.py (ranking_system --parts checkpoint; from its log)",
     "rewrite_fuzz": "tools/rewrite_fuzz.py",
     "rewrite_two_level": "tests/test_rewrite_two_level.py, long profile",

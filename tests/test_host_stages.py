@@ -151,3 +151,19 @@ def test_the_in_process_profile_runs_on_the_stub(tmp_path):
   assert set(stub["call"]) == {"one_request_plain", "one_request_waited", "full_batch_plain",
                                "full_batch_waited"}
   assert "queue" in stub["lone"]["stages"] and stub["load"][0]["answered"] > 0
+
+
+def test_the_http_profile_runs_on_the_stub_across_processes(tmp_path):
+  out = tmp_path / "front.json"
+  subprocess.run([sys.executable, "-m", "benchmarks.http_front", "--small", "--stub", "0.2",
+                  "1.0", "--server-timing", "--out", str(out)], check=True,
+                 cwd=loopback.__file__.rsplit("/ikbo_jax/", 1)[0])
+  import json
+
+  runs = json.loads(out.read_text())["runs"]
+  for n, extra in (("1", []), ("2", ["send", "reply"])):  # one process; the model process
+    first = runs[n]["ladder"][0]
+    assert first["answered"] > 0 and not first["errors_by_kind"], first["errors_by_kind"]
+    assert {"body", "decode", "queue", "d2h", "encode", "outside", *extra} <= set(
+        first["stages"])
+    assert first["server_cpu_ms_per_request"] > 0
