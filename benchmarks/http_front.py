@@ -65,8 +65,7 @@ def lone_requests(url: str, requests, count: int) -> dict:
       response.raise_for_status()
       times.append(1e3 * (time.perf_counter() - start))
       if "server-timing" in response.headers:
-        row = stages.parse_server_timing(response.headers["server-timing"])
-        rows.append({**row, "outside": times[-1] - sum(row.values())})
+        rows.append(stages.answer_row(response.headers["server-timing"], times[-1]))
   warm = len(times) // 10  # the first tenth warms up
   p50, p99 = np.percentile(times[warm:], (50, 99))
   return dict(requests=len(times), p50_ms=float(p50), p99_ms=float(p99),

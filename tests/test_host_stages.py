@@ -16,7 +16,8 @@ from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.models import Ranker, RankerConfig
 from ikbo_jax.serving import Batcher, BatchingConfig, Bucket, BucketedModel, bodies
 from ikbo_jax.serving.http import create_app
-from ikbo_jax.serving.stages import StageClock, parse_server_timing, summarize
+from ikbo_jax.serving.stages import (StageClock, answer_row, marker, parse_server_timing,
+                                     summarize)
 from ikbo_jax.serving.stub import DeviceStub
 from ikbo_jax.testing import loopback
 from tests.serving_fakes import CONFIG, some_requests
@@ -34,7 +35,12 @@ def test_a_clock_adds_up_its_stages_and_survives_a_server_timing_header():
   assert ms["queue"] == pytest.approx(3.0) and ms["pack"] == pytest.approx(0.5)
   assert parse_server_timing(clock.server_timing()) == pytest.approx(ms, abs=1e-3)
   assert parse_server_timing('db;dur=x, cache;desc="hit", miss;dur=2.5') == {"miss": 2.5}
-  assert clock.since(10.0025) == [("pack", 10.0025), ("queue", 10.0035)]
+  assert answer_row("queue;dur=1.5, pack;dur=0.5", 3.0) == {"queue": 1.5, "pack": 0.5,
+                                                            "outside": 1.0}
+  marks = []
+  marker(marks)("pack")
+  marker(None)("pack")  # nobody profiles: nothing to mark
+  assert [stage for stage, _ in marks] == ["pack"]
 
 
 def test_a_summary_counts_a_missing_stage_as_zero_so_means_add_up():

@@ -120,21 +120,14 @@ class Batcher:
   """
 
   def __init__(self, model: Scorer, config: BatchingConfig = BatchingConfig(),
-               on_batch: Callable[[Sequence[Request], Bucket | None, float], None] | None = None,
-               *, waited_stages: bool = False):
-    """`on_batch(requests, bucket, seconds)` hears of each batch the model ran (metrics).
-
-    With `waited_stages`, a batch with a `StageClock` waits for each of its model
-    stages apart (`BucketedModel.staged`): transfer and execution are told apart, at
-    the cost of a wait between them.
-    """
+               on_batch: Callable[[Sequence[Request], Bucket | None, float], None] | None = None):
+    """`on_batch(requests, bucket, seconds)` hears of each batch the model ran (metrics)."""
     if config.max_batch_requests is None:
       config = dataclasses.replace(config, max_batch_requests=model.largest.num_users)
     if config.max_batch_requests > model.largest.num_users:
       raise ValueError(f"max_batch_requests={config.max_batch_requests} exceeds the user slots "
                        f"of the largest bucket, {model.largest}")
     self.model, self.config, self._on_batch = model, config, on_batch
-    self._waited_stages = waited_stages
     self.batches_run = 0
     self.refused = self.timed_out = 0  # requests answered Overloaded / DeadlineExceeded
     self.queued_candidates = 0
@@ -345,7 +338,7 @@ class Batcher:
       scores = self.model(requests)
       marks.append(("model", time.perf_counter()))
       return scores
-    return staged(requests, marks, self._waited_stages)
+    return staged(requests, marks)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ from flax import nnx
 from ikbo_jax.data import Request
 from ikbo_jax.models import Build, Ranker, RankerConfig, scores
 from ikbo_jax.models.valid_range import max_abs_dense_feature
+from ikbo_jax.serving import stages
 from ikbo_jax.serving.precast import jit_hoisted
 from ikbo_jax.serving.transfer import FlatLayout, HostBuffers
 
@@ -175,8 +176,7 @@ class BucketedModel:
     and its scores on the host); `waited` waits for each of `pack`, `h2d`,
     `execute` and `d2h` apart, which separates them at the cost of a wait between.
     """
-    mark = (lambda stage: None) if marks is None else (
-        lambda stage: marks.append((stage, time.perf_counter())))
+    mark = stages.marker(marks)
     bucket = bucket_holding(self.buckets, requests)
     host = self._host_buffers.pack(requests, bucket)
     mark("pack")

@@ -67,7 +67,7 @@ def over_http(url: str | Sequence[str], requests: Sequence[Request], *, qps: flo
   counts = [r.num_candidates for r in requests]
   arrivals = qps * max_seconds if cycle else 0
   shares = [(urls[p % len(urls)], *_share(payloads, counts, p, processes, arrivals),
-             qps / processes, max_seconds, connections, p, content_type, score_tolerance)
+             qps / processes, max_seconds, connections, p, score_tolerance)
             for p in range(processes)]
   if processes == 1:
     return summarize([_client(*shares[0])], qps)
@@ -92,8 +92,9 @@ def _share(payloads: list, counts: list[int], p: int, processes: int,
 
 
 def _client(url: str, payloads: list, counts: list[int], qps: float, max_seconds: float,
-            connections: int, seed: int, content_type: str, score_tolerance: float) -> Tally:
-  """One client process: its share of the requests (`(body, expected scores or None)`), open loop.
+            connections: int, seed: int, score_tolerance: float) -> Tally:
+  """One client process: its share of the requests (`(body, expected scores or None,
+  headers)`), open loop.
 
   aiohttp rather than httpx: on a 2-core CPU one process sends ~3000 small requests a
   second with it, ~520 with httpx, which made the client the bottleneck it measures.
@@ -118,14 +119,13 @@ def _client(url: str, payloads: list, counts: list[int], qps: float, max_seconds
             if response.status != 200:
               raise Refused(str(response.status))
             timing = response.headers.get("Server-Timing")
-          if timing is not None:
-            row = stages.parse_server_timing(timing)
-            row["outside"] = 1e3 * (time.perf_counter() - start) - sum(row.values())
-            rows.append(row)
+          client_ms = 1e3 * (time.perf_counter() - start)
         except aiohttp.ClientError as e:  # resets, disconnects, malformed answers
           raise Refused(type(e).__name__) from None
         if want is not None and not _matches(answer, want, score_tolerance):
           raise Refused("wrong_score")
+        if timing is not None:  # an answer's stages (a wrong score is no answer)
+          rows.append(stages.answer_row(timing, client_ms))
 
       return await drive(send, payloads, qps=qps, candidates=counts, seed=seed,
                          max_seconds=max_seconds)

@@ -88,42 +88,48 @@ def model_builder(args: argparse.Namespace, ranker) -> Callable[[], object]:
   """A function that compiles the served model (`Scorer`): run it once the port is open."""
 
   def build_model():
-    import jax
-
-    from ikbo_jax.data.synthetic import ClickGenerator
-    from ikbo_jax.serving.buckets import BucketedModel
-    from ikbo_jax.serving.cached import CachedModel
-    from ikbo_jax.serving.devices import DeviceSet
-
-    shapes = buckets(args)
-    if args.device_stub:
-      from ikbo_jax.models.config import PRESETS
-      from ikbo_jax.serving.stub import DeviceStub
-
-      print(f"a device stub of {args.device_stub} ms, no model", flush=True)
-      stub = DeviceStub(PRESETS[args.preset](), shapes, tuple(args.device_stub), args.build)
-      tune_gc()
-      return stub
-    print(f"compiling {len(shapes)} buckets of the {args.build} build on {args.devices} "
-          "device(s)...", flush=True)
-    progress = lambda bucket, seconds: print(f"  compiled {bucket} in {seconds:.1f} s",
-                                             flush=True)
-    if args.cache_mb:
-      model = CachedModel(ranker, shapes, cache_bytes=int(args.cache_mb * 2**20),
-                          ttl_seconds=args.cache_ttl_seconds, on_compiled=progress)
-    elif args.devices == 1:
-      model = BucketedModel(ranker, shapes, args.build, on_compiled=progress)
-    else:
-      model = DeviceSet(ranker, shapes, args.build, devices=jax.local_devices()[:args.devices],
-                        on_compiled=progress)
-    # A smoke batch: parameters that pass the checksums can still be garbage.
-    smoke = ClickGenerator(ranker.config, seed=0).request(0).validated(ranker.config)
-    if not np.isfinite(model([smoke])[0]).all():
-      raise RuntimeError("a smoke request got non-finite scores: the parameters are broken")
-    tune_gc()
+    model = _stub(args) if args.device_stub else _model(args, ranker)
+    tune_gc()  # what the model built lives as long as the process
     return model
 
   return build_model
+
+
+def _stub(args: argparse.Namespace):
+  from ikbo_jax.models.config import PRESETS
+  from ikbo_jax.serving.stub import DeviceStub
+
+  print(f"a device stub of {args.device_stub} ms, no model", flush=True)
+  return DeviceStub(PRESETS[args.preset](), buckets(args), tuple(args.device_stub), args.build)
+
+
+def _model(args: argparse.Namespace, ranker):
+  """The compiled model, checked on a smoke batch."""
+  import jax
+
+  from ikbo_jax.data.synthetic import ClickGenerator
+  from ikbo_jax.serving.buckets import BucketedModel
+  from ikbo_jax.serving.cached import CachedModel
+  from ikbo_jax.serving.devices import DeviceSet
+
+  shapes = buckets(args)
+  print(f"compiling {len(shapes)} buckets of the {args.build} build on {args.devices} "
+        "device(s)...", flush=True)
+  progress = lambda bucket, seconds: print(f"  compiled {bucket} in {seconds:.1f} s",
+                                           flush=True)
+  if args.cache_mb:
+    model = CachedModel(ranker, shapes, cache_bytes=int(args.cache_mb * 2**20),
+                        ttl_seconds=args.cache_ttl_seconds, on_compiled=progress)
+  elif args.devices == 1:
+    model = BucketedModel(ranker, shapes, args.build, on_compiled=progress)
+  else:
+    model = DeviceSet(ranker, shapes, args.build, devices=jax.local_devices()[:args.devices],
+                      on_compiled=progress)
+  # A smoke batch: parameters that pass the checksums can still be garbage.
+  smoke = ClickGenerator(ranker.config, seed=0).request(0).validated(ranker.config)
+  if not np.isfinite(model([smoke])[0]).all():
+    raise RuntimeError("a smoke request got non-finite scores: the parameters are broken")
+  return model
 
 
 def batching(args: argparse.Namespace):

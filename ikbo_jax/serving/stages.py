@@ -34,7 +34,7 @@ server's side of every answer whatever the processes behind the port.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -59,10 +59,6 @@ class StageClock:
     """Marks taken elsewhere (a batch's, the model process's), in order after these."""
     self.marks.extend(marks)
 
-  def since(self, start: float) -> list[tuple[str, float]]:
-    """The marks taken at or after `start` (what another process adds to its clock)."""
-    return [(stage, at) for stage, at in self.marks[1:] if at >= start]
-
   def durations_ms(self) -> dict[str, float]:
     """Each stage's milliseconds (a stage marked twice adds up)."""
     out: dict[str, float] = {}
@@ -73,6 +69,22 @@ class StageClock:
   def server_timing(self) -> str:
     """The `Server-Timing` header's value: `stage;dur=<ms>`, in order."""
     return ", ".join(f"{stage};dur={ms:.3f}" for stage, ms in self.durations_ms().items())
+
+
+def marker(marks: list[tuple[str, float]] | None) -> Callable[[str], None]:
+  """`mark(stage)`: appends (stage, now) to `marks`, or does nothing where `marks` is None
+  (a call that nobody profiles)."""
+  if marks is None:
+    return lambda stage: None
+  return lambda stage: marks.append((stage, time.perf_counter()))
+
+
+def answer_row(server_timing: str, client_ms: float) -> dict[str, float]:
+  """One answer's stages from its `Server-Timing` header, and `outside`: what the client
+  measured (`client_ms`) beyond their sum."""
+  row = parse_server_timing(server_timing)
+  row["outside"] = client_ms - sum(row.values())
+  return row
 
 
 def parse_server_timing(value: str) -> dict[str, float]:

@@ -27,6 +27,7 @@ import numpy as np
 
 from ikbo_jax.data import Request
 from ikbo_jax.models import Build, RankerConfig
+from ikbo_jax.serving import stages
 from ikbo_jax.serving.buckets import Bucket, bucket_holding, checked_buckets, smallest_fitting
 from ikbo_jax.serving.transfer import FlatLayout, HostBuffers
 
@@ -58,7 +59,6 @@ class DeviceStub:
         for b in self.buckets})
     self._lock = threading.Lock()
     self._free_at = 0.0  # when the device's queue runs dry (perf_counter seconds)
-    self.busy_seconds = 0.0  # device time of every batch so far
 
   @property
   def largest(self) -> Bucket:
@@ -73,20 +73,16 @@ class DeviceStub:
   def staged(self, requests: Sequence[Request], marks: list[tuple[str, float]] | None,
              waited: bool = False) -> list[np.ndarray]:
     """As `BucketedModel.staged`; `waited` changes nothing (there are no transfers)."""
+    mark = stages.marker(marks)
     bucket = bucket_holding(self.buckets, requests)
     self._host_buffers.pack(requests, bucket)  # the host's work of a real call
-    if marks is not None:
-      marks.append(("pack", time.perf_counter()))
-    seconds = self.device_ms[bucket] / 1e3
+    mark("pack")
     with self._lock:  # enqueued behind the batches launched before it
-      done = max(time.perf_counter(), self._free_at) + seconds
+      done = max(time.perf_counter(), self._free_at) + self.device_ms[bucket] / 1e3
       self._free_at = done
-      self.busy_seconds += seconds
-    if marks is not None:
-      marks.append(("launch", time.perf_counter()))
+    mark("launch")
     if (wait := done - time.perf_counter()) > 0:
       time.sleep(wait)
     scores = [(r.cand_items / self.config.num_items).astype(np.float32) for r in requests]
-    if marks is not None:
-      marks.append(("d2h", time.perf_counter()))
+    mark("d2h")
     return scores
