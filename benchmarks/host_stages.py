@@ -36,6 +36,7 @@ from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.models.config import PRESETS
 from ikbo_jax.serving import Batcher, BatchingConfig
 from ikbo_jax.serving.buckets import default_buckets
+from ikbo_jax.serving.launch import tune_gc
 from ikbo_jax.serving.load import run_load
 from ikbo_jax.serving.stages import StageClock, summarize
 
@@ -117,6 +118,7 @@ def main() -> None:
                  models={})
   full = full_batch(pool, buckets)
   for name, served in served_models(args, config, buckets).items():
+    tune_gc()  # as a serving process does (`launch.tune_gc`)
     row = payload["models"][name] = {}
     row["call"] = {f"{size}_{'waited' if waited else 'plain'}":
                    call_stages(served, batch, args.iterations, waited)

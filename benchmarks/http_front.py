@@ -52,16 +52,16 @@ from ikbo_jax.serving import bodies, haproxy, http_load, stages
 from ikbo_jax.testing import loopback
 
 
-def lone_requests(url: str, requests, count: int) -> dict:
+def lone_requests(url: str, requests, count: int,
+                  endpoint: http_load.Endpoint = http_load.Endpoint()) -> dict:
   """Latency of `count` requests sent one at a time on one connection (msgpack), and
   their stages where the server sends them."""
-  payloads = [bodies.encode(r, bodies.MSGPACK) for r in requests[:count]]
-  headers = {"Content-Type": bodies.MSGPACK}
+  payloads = [endpoint.encode(r, bodies.MSGPACK) for r in requests[:count]]
   times, rows = [], []
   with httpx.Client(timeout=30) as client:
-    for payload in payloads:
+    for payload, headers in payloads:
       start = time.perf_counter()
-      response = client.post(f"{url}/score", content=payload, headers=headers)
+      response = client.post(f"{url}{endpoint.path}", content=payload, headers=headers)
       response.raise_for_status()
       times.append(1e3 * (time.perf_counter() - start))
       if "server-timing" in response.headers:
@@ -79,8 +79,8 @@ def holds(stats: dict, budget_ms: float) -> bool:
 
 
 def ladder(urls: list[str], pids: list[int], requests, expected, rates, seconds: float,
-           clients: int, budget_ms: float, tolerance: float,
-           user_header: bool = False) -> tuple[float, list[dict]]:
+           clients: int, budget_ms: float, tolerance: float, user_header: bool = False,
+           endpoint: http_load.Endpoint = http_load.Endpoint()) -> tuple[float, list[dict]]:
   """The highest of `rates` held, and every rate's stats, climbing until one fails.
 
   Each row holds the server's CPU time per answered request: every process of `pids`
@@ -92,7 +92,7 @@ def ladder(urls: list[str], pids: list[int], requests, expected, rates, seconds:
     stats = http_load.over_http(urls, requests, qps=rate, max_seconds=seconds,
                                 processes=clients, cycle=True, content_type=bodies.MSGPACK,
                                 expected=expected, score_tolerance=tolerance,
-                                user_header=user_header)
+                                user_header=user_header, endpoint=endpoint)
     stats["server_cpu_ms_per_request"] = (
         1e3 * (common.process_tree_cpu_seconds(pids) - cpu) / max(stats["answered"], 1))
     rows.append(stats)
@@ -167,6 +167,11 @@ def main() -> None:
   parser.add_argument("--budget-ms", type=float, default=20.0)
   parser.add_argument("--mean-candidates", type=float, default=70.0)
   parser.add_argument("--lone", type=int, default=300, help="requests sent one at a time")
+  parser.add_argument("--repeats", type=int, default=1,
+                      help="ladders per N, each on a freshly started server (rows 'N', "
+                           "'N run 2', ...)")
+  parser.add_argument("--queue-requests", type=float, default=64,
+                      help="the server's queue bound, in mean requests' candidates")
   parser.add_argument("--pool", type=int, default=2000, help="distinct requests cycled through")
   parser.add_argument("--replicas", action="store_true",
                       help="N one-process servers with a model each instead of N HTTP processes")
@@ -196,7 +201,7 @@ def main() -> None:
   else:
     expected = reference_scores(config, requests)
   tolerance = 1e-6 if args.stub else 1e-4 if config.dtype == "float32" else 0.03
-  queue = int(args.mean_candidates * 64)
+  queue = int(args.mean_candidates * args.queue_requests)
   server_args = ["--max-queued-candidates", str(queue), "--timeout-ms",
                  str(0.75 * args.budget_ms), "--max-batch-requests", "32",
                  *(["--server-timing"] if args.server_timing else []),
@@ -208,7 +213,8 @@ def main() -> None:
                  front=("replicas" + (f" behind {args.balancer}" if args.balancer else "")
                         if args.replicas else "model_process"), runs={})
   what = "replicas" if args.replicas else "HTTP processes"
-  for n in args.http_processes:
+  runs = [(n, k) for n in args.http_processes for k in range(1, args.repeats + 1)]
+  for n, k in runs:
     if args.balancer and not args.replicas:
       raise SystemExit("--balancer puts replicas behind one port: give --replicas too")
     if args.replicas and not args.balancer and args.client_processes % n:
@@ -223,7 +229,7 @@ def main() -> None:
           args.client_processes, args.budget_ms, tolerance, user_header=bool(args.balancer))
       row["server"] = [server_metrics(url) for url in urls]
       print(f"{n} {what}: sustained {row['sustained_qps']:.0f}/s", flush=True)
-    payload["runs"][str(n)] = row
+    payload["runs"][str(n) if k == 1 else f"{n} run {k}"] = row
     common.write_json(args.out, payload)
 
 

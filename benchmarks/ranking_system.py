@@ -198,7 +198,8 @@ def main() -> None:
                                       (10, 70) if not args.small else (8,), args.iterations))
     budgets = args.cache_mb or ((1.0, 8.0) if args.small else (512.0, 8192.0))
     record("cache", cache_serving(model, config, ladder, budget_ms, args.buckets,
-                                  args.max_in_flight, budgets))
+                                  args.max_in_flight, budgets,
+                                  on_budget=lambda so_far: record("cache", so_far)))
   if "overload" in args.parts:
     # Past the rate each build sustained: measured by the serving part, or given.
     if "serving" in payload:

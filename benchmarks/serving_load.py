@@ -38,6 +38,7 @@ from ikbo_jax.models.config import PRESETS
 from ikbo_jax.serving import Batcher, BatchingConfig, BucketedModel, http_load
 from ikbo_jax.serving.buckets import default_buckets
 from ikbo_jax.serving.cached import CachedModel, user_state_bytes
+from ikbo_jax.serving.launch import tune_gc
 from ikbo_jax.serving.load import run_load
 from ikbo_jax.serving.user_cache import user_key
 from ikbo_jax.testing import loopback
@@ -95,8 +96,11 @@ def sustained_rate(served, ladder: Ladder, budget_ms, max_in_flight,
   """The highest rate held at p99 <= budget with >= 90% answered: the ladder, then bisection.
 
   A rate the in-process load generator could not send (below 95% of its
-  schedule) is not counted as held: the client, not the server, set it.
+  schedule) is not counted as held: the client, not the server, set it. The
+  collector is tuned as in a serving process (`launch.tune_gc`): untuned, its full
+  passes over the model's objects stop the event loop for tens of milliseconds.
   """
+  tune_gc()
   runs = []
 
   def holds(rate: float) -> bool:
@@ -203,12 +207,14 @@ def server_metrics(url: str) -> dict:
   return dict(refused=refused, server_p99_ms_at_most=1e3 * p99, server_answered=total)
 
 
-def wait_ready(url: str, server: subprocess.Popen, log, seconds: float) -> None:
-  """Until the server says ready; its log's tail in the error if it exits or never does."""
+def wait_ready(url: str, server: subprocess.Popen, log, seconds: float,
+               path: str = "/health/ready") -> None:
+  """Until the server says ready (200 at `path`); its log's tail in the error if it exits or
+  never does."""
   deadline = time.time() + seconds
   while time.time() < deadline and server.poll() is None:
     try:
-      if httpx.get(f"{url}/health/ready", timeout=5).status_code == 200:
+      if httpx.get(f"{url}{path}", timeout=5).status_code == 200:
         return
     except httpx.HTTPError:
       pass
@@ -325,10 +331,11 @@ def _sides(model, batch, iterations: int = 50) -> dict:
 
 
 def cache_serving(model, config, ladder: Ladder, budget_ms, num_buckets, max_in_flight,
-                  budgets_mb) -> dict:
+                  budgets_mb, on_budget=None) -> dict:
   """The Zipf trace through `CachedModel` at each cache budget: hit rate, latency, sustained rate.
 
   The uncached builds' numbers come from `serving` in the same run, on the same `ladder`.
+  `on_budget(results so far)` hears of each budget as it ends (to write them as they come).
   """
   requests = ladder.requests
   buckets = default_buckets(config, mean_candidates=ladder.mean_candidates, count=num_buckets)
@@ -352,4 +359,6 @@ def cache_serving(model, config, ladder: Ladder, budget_ms, num_buckets, max_in_
     print(f"cache {mb} MB ({cached.capacity} users): hit rate {report['hit_rate']:.2f}, "
           f"single p50 {single['p50_ms']:.2f} ms, sustained {rate:.0f}/s", flush=True)
     del cached
+    if on_budget is not None:
+      on_budget(out)
   return out

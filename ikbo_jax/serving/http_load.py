@@ -14,7 +14,9 @@ Where the server sends each answer's stages (`--server-timing`), the stats
 hold their percentiles, with `outside`: the client's latency beyond their sum.
 Given the scores each request should get (`expected`), every answer is checked
 against them: one off by more than `score_tolerance`, or of another length, is
-counted as a `wrong_score` instead of an answer.
+counted as a `wrong_score` instead of an answer. An `Endpoint` says how a request
+is sent and its scores read back: `POST /score` by default; another server's API
+(an existing serving engine measured on the same trace) is a subclass.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import aiohttp
 import msgspec
@@ -34,11 +36,28 @@ from ikbo_jax.serving import bodies, haproxy, stages
 from ikbo_jax.serving.load import Refused, Tally, drive, summarize
 
 
+class Endpoint:
+  """This library's `POST /score`: a request's body and headers, an answer's scores.
+
+  Instances go to the client processes by pickling: a subclass lives at a module's top level.
+  """
+
+  path = "/score"
+
+  def encode(self, request: Request, content_type: str) -> tuple[bytes, dict[str, str]]:
+    return bodies.encode(request, content_type), {"content-type": content_type}
+
+  def scores(self, answer: bytes, headers: Mapping[str, str]) -> np.ndarray:
+    """The answer's scores; raises ValueError (or msgspec's errors) if it holds none."""
+    return np.asarray(msgspec.json.decode(answer)["scores"], np.float32)
+
+
 def over_http(url: str | Sequence[str], requests: Sequence[Request], *, qps: float,
               max_seconds: float = 60.0, processes: int = 1, connections: int = 256,
               cycle: bool = False,
               content_type: str = bodies.JSON, expected: Sequence[np.ndarray] | None = None,
-              score_tolerance: float = 0.0, user_header: bool = False) -> dict:
+              score_tolerance: float = 0.0, user_header: bool = False,
+              endpoint: Endpoint = Endpoint()) -> dict:
   """Latency stats of `requests` sent to `url` at `qps`, from `processes` processes.
 
   `url` may be several servers' (replicas of one model): client `p` sends to
@@ -50,6 +69,7 @@ def over_http(url: str | Sequence[str], requests: Sequence[Request], *, qps: flo
   (each request's probabilities), answers further than `score_tolerance` from
   them count as `wrong_score`. With `user_header`, each request carries its user's
   `X-User-Id` (`serving.haproxy.user_id`), what a balancer in front of replicas hashes on.
+  `endpoint` says where the requests go and how their scores come back.
   """
   if not (processes >= 1 and connections >= 1 and qps > 0 and len(requests) >= processes):
     raise ValueError(f"need processes >= 1, connections >= 1, qps > 0 and a request per "
@@ -59,15 +79,17 @@ def over_http(url: str | Sequence[str], requests: Sequence[Request], *, qps: flo
     raise ValueError(f"need between 1 and processes={processes} urls, got {len(urls)}")
   if expected is not None and len(expected) != len(requests):
     raise ValueError(f"expected holds {len(expected)} score arrays for {len(requests)} requests")
-  payloads = [(bodies.encode(r, content_type), None if expected is None else
-               np.asarray(expected[i], np.float32),
-               {"content-type": content_type,
-                **({haproxy.USER_HEADER: haproxy.user_id(r)} if user_header else {})})
-              for i, r in enumerate(requests)]
+  payloads = []
+  for i, r in enumerate(requests):
+    body, headers = endpoint.encode(r, content_type)
+    if user_header:
+      headers[haproxy.USER_HEADER] = haproxy.user_id(r)
+    payloads.append((body, None if expected is None else np.asarray(expected[i], np.float32),
+                     headers))
   counts = [r.num_candidates for r in requests]
   arrivals = qps * max_seconds if cycle else 0
   shares = [(urls[p % len(urls)], *_share(payloads, counts, p, processes, arrivals),
-             qps / processes, max_seconds, connections, p, score_tolerance)
+             qps / processes, max_seconds, connections, p, score_tolerance, endpoint)
             for p in range(processes)]
   if processes == 1:
     return summarize([_client(*shares[0])], qps)
@@ -92,7 +114,8 @@ def _share(payloads: list, counts: list[int], p: int, processes: int,
 
 
 def _client(url: str, payloads: list, counts: list[int], qps: float, max_seconds: float,
-            connections: int, seed: int, score_tolerance: float) -> Tally:
+            connections: int, seed: int, score_tolerance: float,
+            endpoint: Endpoint = Endpoint()) -> Tally:
   """One client process: its share of the requests (`(body, expected scores or None,
   headers)`), open loop.
 
@@ -112,17 +135,19 @@ def _client(url: str, payloads: list, counts: list[int], qps: float, max_seconds
         body, want, headers = payload
         try:
           start = time.perf_counter()
-          async with session.post("/score", data=body, headers=headers) as response:
+          async with session.post(endpoint.path, data=body, headers=headers) as response:
             if response.status == 400:
               raise RequestError((await response.json())["error"])
             answer = await response.read()
             if response.status != 200:
               raise Refused(str(response.status))
             timing = response.headers.get("Server-Timing")
+            answer_headers = response.headers
           client_ms = 1e3 * (time.perf_counter() - start)
         except aiohttp.ClientError as e:  # resets, disconnects, malformed answers
           raise Refused(type(e).__name__) from None
-        if want is not None and not _matches(answer, want, score_tolerance):
+        if want is not None and not _matches(endpoint, answer, answer_headers, want,
+                                             score_tolerance):
           raise Refused("wrong_score")
         if timing is not None:  # an answer's stages (a wrong score is no answer)
           rows.append(stages.answer_row(timing, client_ms))
@@ -135,10 +160,11 @@ def _client(url: str, payloads: list, counts: list[int], qps: float, max_seconds
   return tally
 
 
-def _matches(answer: bytes, want: np.ndarray, tolerance: float) -> bool:
+def _matches(endpoint: Endpoint, answer: bytes, headers: Mapping[str, str], want: np.ndarray,
+             tolerance: float) -> bool:
   """Whether a 200 answer's scores are `want`'s, each within `tolerance`."""
   try:
-    got = np.asarray(msgspec.json.decode(answer)["scores"], np.float32)
+    got = endpoint.scores(answer, headers)
   except (msgspec.DecodeError, KeyError, TypeError, ValueError):
     return False
   return got.shape == want.shape and bool(np.all(np.abs(got - want) <= tolerance))
