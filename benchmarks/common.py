@@ -81,9 +81,11 @@ def metadata() -> dict:
                                       text=True, check=True).stdout.strip()
   except (OSError, subprocess.CalledProcessError):
     commit = "unknown"
+  # XLA's flags change what a number means (command buffers, say): recorded where set.
+  flags = {"xla_flags": os.environ["XLA_FLAGS"]} if os.environ.get("XLA_FLAGS") else {}
   return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               commit=commit, device=jax.devices()[0].device_kind,
-              jax_version=jax.__version__, backend=jax.default_backend())
+              jax_version=jax.__version__, backend=jax.default_backend(), **flags)
 
 
 def write_json(path: str, payload: dict) -> None:

@@ -206,8 +206,10 @@ fi
 if has host_stages; then
   # Where a request's time goes in process: the model's call stages, lone requests and
   # load through the batcher.
-  timeout "${HOST_STAGES_TIMEOUT:-240}" python3 -m benchmarks.host_stages \
-    --out "$OUT/host_stages_${TAG}.json" 2>&1 | grep -v Warning | cut -c1-700 | tail -n 14
+  # HOST_STAGES_ARGS add options; RESULT_SUFFIX names a variant's file (with XLA_FLAGS, say).
+  timeout "${HOST_STAGES_TIMEOUT:-240}" python3 -m benchmarks.host_stages ${HOST_STAGES_ARGS:-} \
+    --out "$OUT/host_stages_${TAG}${RESULT_SUFFIX:-}.json" 2>&1 | grep -v Warning | cut -c1-700 \
+    | tail -n 14
 fi
 if has http_front; then
   # The sustained rate over HTTP with 1, 2, 4 and 8 HTTP processes feeding one model process

@@ -29,11 +29,7 @@ import time
 
 import msgspec
 import numpy as np
-from pytriton.decorators import batch
-from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
-from pytriton.triton import Triton, TritonConfig
 
-MODEL = "ranker"
 _FIELDS = ("user_dense", "history", "cand_items", "cand_dense")
 
 
@@ -75,11 +71,12 @@ class StandIn:
       time.sleep(wait)
     return [(r["cand_items"] / self.num_items).astype("<f4").tobytes() for r in group]
 
-  def _pack(self, group: list[dict], bucket: tuple) -> None:
+  def _pack(self, group: list[dict], bucket: tuple) -> np.ndarray:
+    """`group` packed into this thread's flat buffer of `bucket`: the buffer."""
     buffers = self._local.__dict__.setdefault("buffers", {})
     if bucket not in buffers:
       buffers[bucket] = self._views(*bucket[:3])
-    views = buffers[bucket]
+    flat, views = buffers[bucket]
     for view in views.values():
       view[...] = 0
     views["cand_to_user"][...] = bucket[1]
@@ -93,8 +90,10 @@ class StandIn:
       views["cand_items"][start:start + n] = r["cand_items"]
       views["cand_dense"][start:start + n] = r["cand_dense"]
       start += n
+    return flat
 
-  def _views(self, candidates: int, users: int, history: int) -> dict[str, np.ndarray]:
+  def _views(self, candidates: int, users: int, history: int
+             ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     shapes = dict(user_dense=(users, self.user_dense), history=(users, history),
                   history_len=(users,), cand_to_user=(candidates,), cand_items=(candidates,),
                   cand_dense=(candidates, self.cand_dense))
@@ -104,10 +103,15 @@ class StandIn:
       view = flat[start:start + int(np.prod(shape))].reshape(shape)
       views[name] = view.view(np.float32) if name.endswith("dense") else view
       start += view.size
-    return views
+    return flat, views
 
 
 def main() -> None:
+  # Here, not at the top: `StandIn` is importable (and tested) without PyTriton.
+  from pytriton.decorators import batch
+  from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+  from pytriton.triton import Triton, TritonConfig
+
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--port", type=int, required=True, help="HTTP; gRPC and metrics take +1, +2")
   parser.add_argument("--spec", required=True, help="JSON: buckets, sizes, instances, batching")
@@ -121,7 +125,7 @@ def main() -> None:
     # all of one stand-in: one device queue.
     stand_in = StandIn(spec)
     infer = [batch(stand_in) for _ in range(spec["instances"])]
-    triton.bind(model_name=MODEL, infer_func=infer,
+    triton.bind(model_name=spec["model"], infer_func=infer,
                 inputs=[Tensor(name="request", dtype=bytes, shape=(1,))],
                 outputs=[Tensor(name="scores", dtype=bytes, shape=(1,))],
                 config=ModelConfig(max_batch_size=spec["max_batch_size"], batcher=DynamicBatcher(

@@ -66,6 +66,7 @@ PRODUCERS = {
     "sigterm_under_load": "tools/sigterm_under_load.py",
     "http_front": "benchmarks/http_front.py",
     "http_replicas": "benchmarks/http_front.py --replicas",
+    "pytriton_front": "benchmarks/pytriton_front.py",
     "model_process_cost": "benchmarks/model_process_cost.py",
 }
 # Where citations are looked for.
