@@ -31,13 +31,12 @@ import os
 import signal
 import struct
 import subprocess
-import sys
 import tempfile
 
 import numpy as np
 
 from benchmarks import common
-from benchmarks.http_front import ladder, lone_requests, serving
+from benchmarks.http_ladder import ladder, lone_requests, serving
 from benchmarks.serving_load import wait_ready
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.data.trace import serving_trace
