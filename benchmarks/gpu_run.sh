@@ -154,9 +154,10 @@ fi
 if has serving; then
   # In process: what checkpointing costs training, the serving ladder (call breakdown, device
   # time, single requests, sustained rates three times), then a profiler trace under load.
-  # SERVING_PARTS="serving" leaves out the checkpoint cost, PROFILE_QPS=0 the profile.
+  # SERVING_PARTS="serving" leaves out the checkpoint cost, PROFILE_QPS=0 the profile,
+  # REPEATS=0 the ladders (the calls' breakdown and the device-bound rate alone).
   timeout "${SERVING_TIMEOUT:-420}" python3 -m benchmarks.ranking_system \
-    --parts ${SERVING_PARTS:-checkpoint serving} \
+    --parts ${SERVING_PARTS:-checkpoint serving} --repeats "${REPEATS:-3}" \
     --out "$OUT/ranking_system_serving_${TAG}.json" 2>&1 | grep -v Warning \
     | tee "$OUT/serving.log" | cut -c1-300 | tail -n 40
   if [ "${PROFILE_QPS:-2000}" != 0 ]; then
