@@ -202,12 +202,12 @@ def main() -> None:
                                   on_budget=lambda so_far: record("cache", so_far)))
   if "overload" in args.parts:
     # Past the rate each build sustained: measured by the serving part, or given.
-    if "serving" in payload:
+    if "serving" in payload and args.repeats:
       sustained = {b: payload["serving"][b]["sustained_qps"] for b in BUILDS}
     elif args.sustained:
       sustained = dict(zip(BUILDS, args.sustained))
     else:
-      parser.error("the overload part needs the serving part or --sustained")
+      parser.error("the overload part needs the serving part's ladders or --sustained")
     payload["overload"] = {}
     for build, result in _overload(args, config, mean, budget_ms, sustained):
       payload["overload"][build] = result

@@ -178,15 +178,19 @@ def serving(model, config, ladder: Ladder, budget_ms, num_buckets, max_in_flight
       rate, runs = sustained_rate(served, ladder, budget_ms, max_in_flight)
       held.append(dict(sustained_qps=rate, ladder=runs))
       print(f"serving {build}, run {repeat + 1}: sustained {rate:.0f}/s", flush=True)
-    rates_held = [h["sustained_qps"] for h in held]
-    median = float(np.median(rates_held))
-    # The first run's rates in order (bisection tries rates between the ladder's): the plot.
-    first = sorted(held[0]["ladder"], key=lambda stats: stats["offered_qps"])
-    out[build] = dict(sustained_qps=median, ladder=first, runs=held, breakdown=breakdown,
-                      single_request=single, device_bound_qps=device_bound,
-                      sustained_fraction_of_device_bound=median / device_bound,
-                      spread_of_runs=(max(rates_held) - min(rates_held)) / max(median, 1e-9))
-  out["qps_ratio"] = out["ikbo"]["sustained_qps"] / max(out["standard"]["sustained_qps"], 1e-9)
+    out[build] = dict(runs=held, breakdown=breakdown, single_request=single,
+                      device_bound_qps=device_bound)
+    if held:  # no ladders (repeats=0): the calls and the device-bound rate alone
+      rates_held = [h["sustained_qps"] for h in held]
+      median = float(np.median(rates_held))
+      # The first run's rates in order (bisection tries rates between the ladder's): the plot.
+      out[build].update(
+          sustained_qps=median, sustained_fraction_of_device_bound=median / device_bound,
+          ladder=sorted(held[0]["ladder"], key=lambda stats: stats["offered_qps"]),
+          spread_of_runs=(max(rates_held) - min(rates_held)) / max(median, 1e-9))
+  if repeats:
+    out["qps_ratio"] = (out["ikbo"]["sustained_qps"]
+                        / max(out["standard"]["sustained_qps"], 1e-9))
   return out
 
 
