@@ -67,7 +67,12 @@ class TritonEndpoint(http_load.Endpoint):
 
   def scores(self, answer: bytes, headers) -> np.ndarray:
     start = int(headers["inference-header-content-length"])
+    if len(answer) < start + 4:
+      raise ValueError(f"the answer's {len(answer)} bytes hold no output past its header")
     (size,) = struct.unpack_from("<I", answer, start)
+    if size % 4 or len(answer) != start + 4 + size:
+      raise ValueError(f"the output says {size} bytes of float32; the answer holds "
+                       f"{len(answer) - start - 4}")
     return np.frombuffer(answer, "<f4", size // 4, start + 4)
 
 

@@ -71,4 +71,7 @@ def test_the_triton_endpoint_speaks_the_binary_tensor_protocol(config):
   answer = answer_head + struct.pack("<I", scores.nbytes) + scores.tobytes()
   got = TritonEndpoint().scores(answer, {"inference-header-content-length": str(len(answer_head))})
   np.testing.assert_array_equal(got, scores)
+  for cut in (answer[:len(answer_head) + 2], answer[:-1]):  # a wrong answer, not a crash
+    with pytest.raises(ValueError):
+      TritonEndpoint().scores(cut, {"inference-header-content-length": str(len(answer_head))})
   assert http_load.Endpoint().scores(b'{"scores": [0.5, 1.0]}', {}).tolist() == [0.5, 1.0]
