@@ -34,14 +34,11 @@ from __future__ import annotations
 import argparse
 import os
 
-import numpy as np
-
-from benchmarks import common
-from benchmarks.http_ladder import ladder, lone_requests, serving
+from benchmarks import common, http_ladder
+from benchmarks.http_ladder import ladder, lone_requests, serving, trace
 from benchmarks.serving_load import reference_scores, server_metrics
-from ikbo_jax.data.synthetic import ClickGenerator
-from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.models.config import PRESETS
+from ikbo_jax.serving.stub import stub_scores
 
 
 def main() -> None:
@@ -80,20 +77,14 @@ def main() -> None:
     args.http_processes, args.mean_candidates, args.lone, args.pool = [1, 2], 8.0, 20, 60
   preset = "small" if args.small else "benchmark"
   config = PRESETS[preset]()
-  gen = ClickGenerator(config, seed=4, mean_candidates=args.mean_candidates,
-                       max_candidates=int(4 * args.mean_candidates))
-  requests = serving_trace(gen, args.pool, processes=os.cpu_count())
-  if args.stub:  # the stub's scores: each candidate's item id over the item count
-    expected = [(r.validated(config).cand_items / config.num_items).astype(np.float32)
-                for r in requests]
+  requests = trace(config, args.mean_candidates, args.pool)
+  if args.stub:
+    expected = [stub_scores(r, config) for r in requests]
   else:
     expected = reference_scores(config, requests)
   tolerance = 1e-6 if args.stub else 1e-4 if config.dtype == "float32" else 0.03
-  queue = int(args.mean_candidates * args.queue_requests)
-  server_args = ["--max-queued-candidates", str(queue), "--timeout-ms",
-                 str(0.75 * args.budget_ms), "--max-batch-requests", "32",
-                 *(["--server-timing"] if args.server_timing else []),
-                 *(["--device-stub", *map(str, args.stub)] if args.stub else [])]
+  server_args = http_ladder.server_args(args.mean_candidates, args.queue_requests,
+                                        args.budget_ms, 32, args.stub, args.server_timing)
   payload = dict(**common.metadata(), preset=preset, budget_p99_ms=args.budget_ms,
                  mean_candidates=args.mean_candidates, client_processes=args.client_processes,
                  seconds_per_rate=args.seconds_per_rate, server_args=server_args,

@@ -4,7 +4,8 @@
 existing engine beside them) share these: `serving` starts this library's server (N HTTP
 processes feeding one model process, or N one-process replicas, optionally behind HAProxy),
 `lone_requests` times requests sent one at a time, `ladder` climbs offered rates until one
-is not held (`holds`), with the server's CPU per answered request at each.
+is not held (`holds`), with the server's CPU per answered request at each; `trace` draws the
+requests both send and `server_args` the server's command line both measure.
 """
 
 from __future__ import annotations
@@ -22,8 +23,28 @@ import numpy as np
 
 from benchmarks import common
 from benchmarks.serving_load import wait_ready
+from ikbo_jax.data.synthetic import ClickGenerator
+from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.serving import bodies, haproxy, http_load, stages
 from ikbo_jax.testing import loopback
+
+
+def trace(config, mean_candidates: float, pool: int) -> list:
+  """`pool` requests of the Zipf trace of returning users, ~`mean_candidates` each."""
+  gen = ClickGenerator(config, seed=4, mean_candidates=mean_candidates,
+                       max_candidates=int(4 * mean_candidates))
+  return serving_trace(gen, pool, processes=os.cpu_count())
+
+
+def server_args(mean_candidates: float, queue_requests: float, budget_ms: float,
+                max_batch_requests: int, stub: tuple[float, float] | None = None,
+                server_timing: bool = False) -> list[str]:
+  """The server's command line: a queue bound of `queue_requests` mean requests' candidates,
+  a deadline of 3/4 of the p99 budget, and a `DeviceStub` of `stub`'s times if given."""
+  return ["--max-queued-candidates", str(int(mean_candidates * queue_requests)),
+          "--timeout-ms", str(0.75 * budget_ms), "--max-batch-requests", str(max_batch_requests),
+          *(["--server-timing"] if server_timing else []),
+          *(["--device-stub", *map(str, stub)] if stub else [])]
 
 
 def lone_requests(url: str, requests, count: int,

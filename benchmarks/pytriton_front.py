@@ -35,15 +35,13 @@ import tempfile
 
 import numpy as np
 
-from benchmarks import common
-from benchmarks.http_ladder import ladder, lone_requests, serving
+from benchmarks import common, http_ladder
+from benchmarks.http_ladder import ladder, lone_requests, serving, trace
 from benchmarks.serving_load import wait_ready
-from ikbo_jax.data.synthetic import ClickGenerator
-from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.models.config import PRESETS
 from ikbo_jax.serving import bodies, http_load
 from ikbo_jax.serving.buckets import default_buckets
-from ikbo_jax.serving.stub import DeviceStub
+from ikbo_jax.serving.stub import DeviceStub, stub_scores
 from ikbo_jax.testing import loopback
 
 MODEL = "ranker"
@@ -130,11 +128,8 @@ def main() -> None:
   if "pytriton" in args.fronts and not args.python:
     parser.error("the pytriton front needs --python (or IKBO_PYTRITON_PYTHON)")
   config = PRESETS["benchmark"]()
-  gen = ClickGenerator(config, seed=4, mean_candidates=args.mean_candidates,
-                       max_candidates=int(4 * args.mean_candidates))
-  requests = serving_trace(gen, args.pool, processes=os.cpu_count())
-  expected = [(r.validated(config).cand_items / config.num_items).astype(np.float32)
-              for r in requests]
+  requests = trace(config, args.mean_candidates, args.pool)
+  expected = [stub_scores(r, config) for r in requests]
   buckets = default_buckets(config, max_batch_requests=args.max_batch_requests,
                             mean_candidates=args.mean_candidates)
   stub = DeviceStub(config, buckets, tuple(args.stub))
@@ -143,10 +138,8 @@ def main() -> None:
               max_batch_size=args.max_batch_requests, max_queue_delay_us=0,
               buckets=[(b.num_candidates, b.num_users, b.history_slots, stub.device_ms[b])
                        for b in stub.buckets])
-  server_args = ["--max-queued-candidates", str(int(args.mean_candidates * 64)),
-                 "--timeout-ms", str(0.75 * args.budget_ms),
-                 "--max-batch-requests", str(args.max_batch_requests),
-                 "--device-stub", *map(str, args.stub)]
+  server_args = http_ladder.server_args(args.mean_candidates, 64, args.budget_ms,
+                                        args.max_batch_requests, tuple(args.stub))
   payload = dict(**common.metadata(), preset="benchmark", budget_p99_ms=args.budget_ms,
                  mean_candidates=args.mean_candidates, client_processes=args.client_processes,
                  seconds_per_rate=args.seconds_per_rate, stub_ms=args.stub, engine_spec=spec,

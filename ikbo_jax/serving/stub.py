@@ -83,6 +83,12 @@ class DeviceStub:
     mark("launch")
     if (wait := done - time.perf_counter()) > 0:
       time.sleep(wait)
-    scores = [(r.cand_items / self.config.num_items).astype(np.float32) for r in requests]
+    scores = [stub_scores(r, self.config) for r in requests]
     mark("d2h")
     return scores
+
+
+def stub_scores(request: Request, config: RankerConfig) -> np.ndarray:
+  """The scores a `DeviceStub` answers `request` with: each candidate's item id over the
+  model's item count (what a client checks each answer against)."""
+  return (np.asarray(request.cand_items) / config.num_items).astype(np.float32)
