@@ -147,6 +147,8 @@ def model_process_load(config, rates, seconds: float, device_ms) -> list[dict]:
   process.start()
   try:
     while not os.path.exists(path):
+      if not process.is_alive():
+        raise RuntimeError(f"the model process exited with {process.exitcode} before it listened")
       time.sleep(0.05)
     tune_gc()
     return uvloop.run(_load_rows(path, process.pid, requests, rates, seconds))
