@@ -44,15 +44,16 @@ class StandIn:
 
   def __call__(self, request: np.ndarray) -> dict[str, np.ndarray]:
     requests = [self._decode(row[0]) for row in request]
-    answers, group = [], []
+    answers, group, candidates = [], [], 0
     largest = self.buckets[-1]
     for r in requests:
-      if group and (sum(len(g["cand_items"]) for g in group) + len(r["cand_items"]) > largest[0]
-                    or len(group) == largest[1]):
-        answers += self._run(group)
-        group = []
+      n = len(r["cand_items"])
+      if group and (candidates + n > largest[0] or len(group) == largest[1]):
+        answers += self._run(group, candidates)
+        group, candidates = [], 0
       group.append(r)
-    answers += self._run(group)
+      candidates += n
+    answers += self._run(group, candidates)
     return {"scores": np.array([[a] for a in answers], dtype=object)}
 
   def _decode(self, body: bytes) -> dict[str, np.ndarray]:
@@ -60,8 +61,7 @@ class StandIn:
     return {f: np.frombuffer(decoded[f]["data"], decoded[f]["dtype"]).reshape(decoded[f]["shape"])
             for f in _FIELDS}
 
-  def _run(self, group: list[dict]) -> list[bytes]:
-    candidates = sum(len(r["cand_items"]) for r in group)
+  def _run(self, group: list[dict], candidates: int) -> list[bytes]:
     bucket = next(b for b in self.buckets if b[0] >= candidates and b[1] >= len(group))
     self._pack(group, bucket)
     with self._lock:
