@@ -19,6 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from unittest import mock
 
 import httpx
 import numpy as np
@@ -73,20 +74,30 @@ def test_a_request_and_its_scores_cross_the_socket_unchanged(as_lists):
     frames.decode(b"X" + frame[5:])
 
 
-def test_a_broken_stream_is_a_frame_error_and_a_clean_close_is_none():
-  async def read(data: bytes):
-    reader = asyncio.StreamReader()
-    reader.feed_data(data)
-    reader.feed_eof()
-    return await frames.read(reader)
+def test_a_stream_cut_anywhere_reads_back_whole_and_a_broken_one_is_a_frame_error():
+  messages = [("queue", 0.5, 1, 2, None), ("cache", 3, "x" * 70_000), ("queue", 1.0, 0, 0, None)]
+  stream = b"".join(map(frames.encode, messages))
+  for piece in (1, 3, 4, 5, 4096, len(stream)):
+    parser = frames.FrameParser()
+    got = [m for at in range(0, len(stream), piece) for m in parser.feed(stream[at:at + piece])]
+    assert got == messages and not parser.inside_a_frame, piece
+  with pytest.raises(frames.FrameError, match="past the bound"):
+    frames.FrameParser().feed(b"\xff\xff\xff\xff")
 
-  frame = frames.encode(("queue", 0.0, 0, 0, None))
-  assert asyncio.run(read(frame)) == ("queue", 0.0, 0, 0, None)
-  assert asyncio.run(read(b"")) is None
-  for broken, says in ((frame[:2], "length"), (frame[:-1], "inside a frame"),
+  def close(data: bytes):
+    seen, endings = [], []
+    protocol = frames.FrameProtocol(seen.append, endings.append)
+    protocol.connection_made(mock.Mock())
+    protocol.data_received(data)
+    protocol.eof_received()
+    protocol.connection_lost(None)
+    return seen, endings
+
+  assert close(stream) == (messages, [None])
+  for broken, says in ((stream[:2], "inside a frame"), (stream[:-1], "inside a frame"),
                        (b"\xff\xff\xff\xff", "past the bound")):
-    with pytest.raises(frames.FrameError, match=says):
-      asyncio.run(read(broken))
+    seen, (error,) = close(broken)
+    assert isinstance(error, frames.FrameError) and says in str(error), (broken[:8], error)
 
 
 def test_the_model_process_answers_as_its_batcher_does():

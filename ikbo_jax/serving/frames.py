@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import os
 import pickle
 import struct
 import tempfile
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -51,11 +53,16 @@ def _array(x) -> tuple | None:
   return x.dtype.str, x.shape, memoryview(x).cast("B")
 
 
+@functools.cache
+def _dtype(name: str) -> np.dtype:
+  return np.dtype(name)
+
+
 def _from(field) -> np.ndarray | None:
   if field is None:
     return None
   dtype, shape, data = field
-  return np.frombuffer(data, dtype).reshape(shape)
+  return np.frombuffer(data, _dtype(dtype)).reshape(shape)
 
 
 def encode(message: tuple) -> bytes:
@@ -75,10 +82,10 @@ def encode(message: tuple) -> bytes:
 
 
 def decode(body: bytes) -> tuple:
-  codec, rest = body[:1], memoryview(body)[1:]
+  codec, rest = bytes(body[:1]), memoryview(body)[1:]
   if codec == _SCORE:
     request_id, timeout_ms, fields, timed = msgspec.msgpack.decode(rest)
-    request = Request(**{f: _from(x) for f, x in zip(_REQUEST_FIELDS, fields)})
+    request = Request(*map(_from, fields))  # `_REQUEST_FIELDS`' order, as encoded
     return ("score", request_id, request, timeout_ms, timed)
   if codec == _SCORES:
     request_id, scores, marks = msgspec.msgpack.decode(rest)
@@ -89,18 +96,79 @@ def decode(body: bytes) -> tuple:
   raise FrameError(f"a frame of unknown codec {bytes(codec)!r}")
 
 
-async def read(reader: asyncio.StreamReader) -> tuple | None:
-  """The next message, or None where the other end closed the connection between frames."""
-  try:
-    header = await reader.readexactly(_LENGTH.size)
-  except asyncio.IncompleteReadError as e:
-    if e.partial:
-      raise FrameError("the connection closed inside a frame's length") from None
-    return None
-  (length,) = _LENGTH.unpack(header)
-  if length > MAX_FRAME_BYTES:
-    raise FrameError(f"a frame of {length} bytes is past the bound of {MAX_FRAME_BYTES}")
-  try:
-    return decode(await reader.readexactly(length))
-  except asyncio.IncompleteReadError:
-    raise FrameError(f"the connection closed inside a frame of {length} bytes") from None
+class FrameParser:
+  """Splits a byte stream into messages: `feed` it what arrives, it returns what that completes.
+
+  A frame that arrives in pieces waits whole in one buffer, appended to, never copied
+  again until it is complete (a frame of a gigabyte arrives in thousands of reads).
+  """
+
+  def __init__(self):
+    self._partial = bytearray()
+    self._needed = _LENGTH.size  # bytes `_partial` must hold before a frame can end in it
+
+  @property
+  def inside_a_frame(self) -> bool:
+    return bool(self._partial)
+
+  def feed(self, data: bytes) -> list[tuple]:
+    if self._partial:
+      self._partial += data
+      if len(self._partial) < self._needed:
+        return []
+      data, self._partial = bytes(self._partial), bytearray()
+    messages, offset, end = [], 0, len(data)
+    view = memoryview(data)
+    while end - offset >= _LENGTH.size:
+      (length,) = _LENGTH.unpack_from(data, offset)
+      if length > MAX_FRAME_BYTES:
+        raise FrameError(f"a frame of {length} bytes is past the bound of {MAX_FRAME_BYTES}")
+      if end - offset - _LENGTH.size < length:
+        break
+      start = offset + _LENGTH.size
+      messages.append(decode(view[start:start + length]))
+      offset = start + length
+    if offset < end:
+      self._partial = bytearray(view[offset:])
+      self._needed = (_LENGTH.size + length if end - offset >= _LENGTH.size else _LENGTH.size)
+    return messages
+
+
+class FrameProtocol(asyncio.Protocol):
+  """A connection's messages, each to `on_message` as its frame completes; `on_closed` once.
+
+  `on_closed(error)` gets None where the other end closed between frames, else the
+  `FrameError` or `OSError` that ended the connection. A protocol rather than
+  `asyncio.StreamReader`: the model process reads every request of every HTTP process,
+  and two `readexactly` awaits a frame were ~15% of its event loop's work at 8,000
+  requests a second, where `data_received` decodes every frame a read completes at once.
+  """
+
+  def __init__(self, on_message: Callable[[tuple], None],
+               on_closed: Callable[[Exception | None], None]):
+    self._on_message, self._on_closed = on_message, on_closed
+    self._parser = FrameParser()
+    self._error: Exception | None = None
+    self.transport: asyncio.Transport | None = None
+
+  def connection_made(self, transport: asyncio.Transport) -> None:
+    self.transport = transport
+
+  def data_received(self, data: bytes) -> None:
+    if self._error is not None:
+      return
+    try:
+      messages = self._parser.feed(data)
+    except FrameError as e:
+      self._error = e
+      self.transport.close()
+      return
+    for message in messages:
+      self._on_message(message)
+
+  def eof_received(self) -> None:
+    if self._error is None and self._parser.inside_a_frame:
+      self._error = FrameError("the connection closed inside a frame")
+
+  def connection_lost(self, exc: Exception | None) -> None:
+    self._on_closed(self._error or exc)

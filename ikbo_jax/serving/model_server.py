@@ -81,7 +81,7 @@ class ModelServer:
                stop_signal: int = signal.SIGTERM):
     self.path, self._build_model, self._batching = path, build_model, batching
     self._stop_signal = stop_signal
-    self._writers: set[asyncio.StreamWriter] = set()
+    self._writers: set[asyncio.Transport] = set()  # the HTTP processes', once greeted
     self._model_ready = asyncio.Event()
     self._stopping = asyncio.Event()
     self.description: ModelDescription | None = None
@@ -95,8 +95,8 @@ class ModelServer:
   async def serve(self) -> None:
     with contextlib.suppress(FileNotFoundError):
       os.unlink(self.path)  # the socket of a process this one replaces
-    server = await asyncio.start_unix_server(self._connection, path=self.path)
     loop = asyncio.get_running_loop()
+    server = await loop.create_unix_server(lambda: _HttpProcessConnection(self), path=self.path)
     with contextlib.suppress(RuntimeError, ValueError):  # not the main thread (tests)
       loop.add_signal_handler(self._stop_signal, self.stop)
     metrics = ServingMetrics()
@@ -118,27 +118,7 @@ class ModelServer:
       for writer in list(self._writers):  # the HTTP processes see it go at once
         writer.close()
 
-  async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-    await self._model_ready.wait()
-    if self.failed:
-      writer.write(frames.encode(("failed", self.failed)))
-      writer.close()
-      return
-    writer.write(frames.encode(("ready", self.description)))
-    self._writers.add(writer)
-    tasks: set[asyncio.Task] = set()
-    try:
-      while (message := await frames.read(reader)) is not None:
-        task = asyncio.create_task(self._answer(message, writer))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    except (frames.FrameError, ConnectionError) as e:
-      _LOG.warning("an HTTP process's connection failed: %s", e)
-    finally:
-      self._writers.discard(writer)
-      writer.close()
-
-  async def _answer(self, message: tuple, writer: asyncio.StreamWriter) -> None:
+  async def _answer(self, message: tuple, writer: asyncio.Transport) -> None:
     kind, request_id, *rest = message
     try:
       if kind == "score":
@@ -180,3 +160,44 @@ class ModelServer:
           if not writer.is_closing():
             writer.write(frame)
         last = state
+
+
+class _HttpProcessConnection(frames.FrameProtocol):
+  """One HTTP process's connection: greeted once the model is ready (nothing is read
+  before), then each message answered in a task of its own."""
+
+  def __init__(self, server: ModelServer):
+    super().__init__(self._received, self._closed)
+    self._server = server
+    self._tasks: set[asyncio.Task] = set()
+
+  def connection_made(self, transport: asyncio.Transport) -> None:
+    super().connection_made(transport)
+    transport.pause_reading()
+    self._spawn(self._greet())
+
+  async def _greet(self) -> None:
+    server, transport = self._server, self.transport
+    await server._model_ready.wait()
+    if transport.is_closing():
+      return
+    if server.failed:
+      transport.write(frames.encode(("failed", server.failed)))
+      transport.close()
+      return
+    transport.write(frames.encode(("ready", server.description)))
+    server._writers.add(transport)
+    transport.resume_reading()
+
+  def _received(self, message: tuple) -> None:
+    self._spawn(self._server._answer(message, self.transport))
+
+  def _spawn(self, coroutine) -> None:
+    task = asyncio.create_task(coroutine)
+    self._tasks.add(task)  # the loop keeps only weak references to tasks
+    task.add_done_callback(self._tasks.discard)
+
+  def _closed(self, error: Exception | None) -> None:
+    if error is not None:
+      _LOG.warning("an HTTP process's connection failed: %s", error)
+    self._server._writers.discard(self.transport)

@@ -40,7 +40,7 @@ class RemoteBatcher:
     self.path, self.config = path, config
     self.model: ModelDescription | None = None
     self.failed: str | None = None
-    self._writer: asyncio.StreamWriter | None = None
+    self._writer: asyncio.Transport | None = None
     self._pending: dict[int, asyncio.Future] = {}
     self._ids = itertools.count()
     self._queue = (0.0, 0, 0, None)
@@ -121,42 +121,45 @@ class RemoteBatcher:
 
   async def _run(self) -> None:
     """Connects, reads answers, and connects again whenever the model process goes away."""
+    loop = asyncio.get_running_loop()
     while True:
+      closed = loop.create_future()
+
+      def connection() -> frames.FrameProtocol:
+        protocol = frames.FrameProtocol(
+            lambda message: self._dispatch(message, protocol.transport),
+            lambda error: closed.done() or closed.set_result(error))
+        return protocol
+
       try:
-        reader, writer = await asyncio.open_unix_connection(self.path)
+        transport, _ = await loop.create_unix_connection(connection, self.path)
       except (FileNotFoundError, ConnectionRefusedError):
         await asyncio.sleep(self.reconnect_s)
         continue
       try:
-        await self._serve_connection(reader, writer)
+        await closed
         if self.failed:
           return
-      except (frames.FrameError, ConnectionError):
-        pass
       finally:
         self._writer = None
         self._queue = (0.0, 0, 0, self._queue[3])
-        writer.close()
+        transport.close()
         lost = ModelUnavailable("the model process went away before it answered; retry")
         for future in self._pending.values():
           if not future.done():
             future.set_exception(lost)
       await asyncio.sleep(self.reconnect_s)
 
-  async def _serve_connection(self, reader, writer) -> None:
-    greeting = await frames.read(reader)
-    if greeting is None:
-      return
-    if greeting[0] == "failed":
-      self.failed = greeting[1]
-    else:
-      self.model, self._writer = greeting[1], writer
-    self._greeted.set()
-    while not self.failed and (message := await frames.read(reader)) is not None:
-      self._dispatch(message)
-
-  def _dispatch(self, message: tuple) -> None:
+  def _dispatch(self, message: tuple, transport: asyncio.Transport) -> None:
     kind = message[0]
+    if kind in ("ready", "failed"):  # the greeting, once a connection's model is built
+      if kind == "ready":
+        self.model, self._writer = message[1], transport
+      else:
+        self.failed = message[1]
+        transport.close()
+      self._greeted.set()
+      return
     if kind == "queue":
       self._queue = message[1:]
       return
