@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import os
 import pickle
 import struct
@@ -53,16 +52,11 @@ def _array(x) -> tuple | None:
   return x.dtype.str, x.shape, memoryview(x).cast("B")
 
 
-@functools.cache
-def _dtype(name: str) -> np.dtype:
-  return np.dtype(name)
-
-
 def _from(field) -> np.ndarray | None:
   if field is None:
     return None
   dtype, shape, data = field
-  return np.frombuffer(data, _dtype(dtype)).reshape(shape)
+  return np.frombuffer(data, dtype).reshape(shape)
 
 
 def encode(message: tuple) -> bytes:
