@@ -68,6 +68,7 @@ PRODUCERS = {
     "http_replicas": "benchmarks/http_front.py --replicas",
     "pytriton_front": "benchmarks/pytriton_front.py",
     "model_process_cost": "benchmarks/model_process_cost.py",
+    "load_client_cost": "benchmarks/load_client_cost.py",
     "model_process_experiments": "experiments: benchmarks/model_process_cost.py --rates around code since reverted",
 }
 # Where citations are looked for.

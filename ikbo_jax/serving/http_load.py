@@ -21,19 +21,22 @@ is sent and its scores read back: `POST /score` by default; another server's API
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import multiprocessing
 import time
+import urllib.parse
 from collections.abc import Mapping, Sequence
 
-import aiohttp
 import msgspec
 import numpy as np
 import uvloop
 
 from ikbo_jax.data import Request, RequestError
-from ikbo_jax.serving import bodies, haproxy, stages
+from ikbo_jax.serving import bodies, haproxy, http_wire, stages
 from ikbo_jax.serving.load import Refused, Tally, drive, summarize
+
+_ANSWER_TIMEOUT_S = 60.0
 
 
 class Endpoint:
@@ -119,45 +122,52 @@ def _client(url: str, payloads: list, counts: list[int], qps: float, max_seconds
   """One client process: its share of the requests (`(body, expected scores or None,
   headers)`), open loop.
 
-  aiohttp rather than httpx: on a 2-core CPU one process sends ~3000 small requests a
-  second with it, ~520 with httpx, which made the client the bottleneck it measures.
+  Through `http_wire.WirePool` rather than aiohttp: on the host the server runs on, the
+  client's CPU and its event loop's delays are part of what it measures
+  (`benchmarks/load_client_cost.py`).
   """
 
   rows = []
+  host, port = _host_port(url)
 
   async def run() -> Tally:
     # Idle connections are dropped well before the server's keep-alive timeout
     # (5 s by default): one the server closes as a request goes out is a reset.
-    connector = aiohttp.TCPConnector(limit=connections, keepalive_timeout=1.0)
-    async with aiohttp.ClientSession(url, connector=connector,
-                                     timeout=aiohttp.ClientTimeout(total=60.0)) as session:
-      async def send(payload: tuple[bytes, np.ndarray | None, dict]):
-        body, want, headers = payload
-        try:
-          start = time.perf_counter()
-          async with session.post(endpoint.path, data=body, headers=headers) as response:
-            if response.status == 400:
-              raise RequestError((await response.json())["error"])
-            answer = await response.read()
-            if response.status != 200:
-              raise Refused(str(response.status))
-            timing = response.headers.get("Server-Timing")
-            answer_headers = response.headers
-          client_ms = 1e3 * (time.perf_counter() - start)
-        except aiohttp.ClientError as e:  # resets, disconnects, malformed answers
-          raise Refused(type(e).__name__) from None
-        if want is not None and not _matches(endpoint, answer, answer_headers, want,
-                                             score_tolerance):
-          raise Refused("wrong_score")
-        if timing is not None:  # an answer's stages (a wrong score is no answer)
-          rows.append(stages.answer_row(timing, client_ms))
+    pool = http_wire.WirePool(host, port, connections, idle_s=1.0)
 
+    async def send(payload: tuple[bytes, np.ndarray | None, dict]):
+      body, want, headers = payload
+      start = time.perf_counter()
+      async with asyncio.timeout(_ANSWER_TIMEOUT_S):  # a TimeoutError, counted by its name
+        status, answer_headers, answer = await pool.request(endpoint.path, body, headers)
+      client_ms = 1e3 * (time.perf_counter() - start)
+      if status == 400:
+        raise RequestError(answer.decode("utf-8", "replace"))
+      if status != 200:
+        raise Refused(str(status))
+      if want is not None and not _matches(endpoint, answer, answer_headers, want,
+                                           score_tolerance):
+        raise Refused("wrong_score")
+      timing = answer_headers.get("server-timing")
+      if timing is not None:  # an answer's stages (a wrong score is no answer)
+        rows.append(stages.answer_row(timing, client_ms))
+
+    try:
       return await drive(send, payloads, qps=qps, candidates=counts, seed=seed,
                          max_seconds=max_seconds)
+    finally:
+      await pool.close()
 
   tally = uvloop.run(run())
   tally.stage_rows = rows
   return tally
+
+
+def _host_port(url: str) -> tuple[str, int]:
+  parts = urllib.parse.urlsplit(url)
+  if parts.scheme != "http" or parts.hostname is None or parts.port is None:
+    raise ValueError(f"url must be http://host:port, got {url!r}")
+  return parts.hostname, parts.port
 
 
 def _matches(endpoint: Endpoint, answer: bytes, headers: Mapping[str, str], want: np.ndarray,
