@@ -18,14 +18,14 @@ import sys
 import tempfile
 import time
 
-import httpx
 import numpy as np
+import uvloop
 
 from benchmarks import common
 from benchmarks.serving_load import wait_ready
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.data.trace import serving_trace
-from ikbo_jax.serving import bodies, haproxy, http_load, stages
+from ikbo_jax.serving import bodies, haproxy, http_load, http_wire, stages
 from ikbo_jax.testing import loopback
 
 
@@ -50,17 +50,26 @@ def server_args(mean_candidates: float, queue_requests: float, budget_ms: float,
 def lone_requests(url: str, requests, count: int,
                   endpoint: http_load.Endpoint = http_load.Endpoint()) -> dict:
   """Latency of `count` requests sent one at a time on one connection (msgpack), and
-  their stages where the server sends them."""
+  their stages where the server sends them. The client is the load generator's
+  (`serving.http_wire`), whose own time is in `outside`."""
   payloads = [endpoint.encode(r, bodies.MSGPACK) for r in requests[:count]]
   times, rows = [], []
-  with httpx.Client(timeout=30) as client:
-    for payload, headers in payloads:
-      start = time.perf_counter()
-      response = client.post(f"{url}{endpoint.path}", content=payload, headers=headers)
-      response.raise_for_status()
-      times.append(1e3 * (time.perf_counter() - start))
-      if "server-timing" in response.headers:
-        rows.append(stages.answer_row(response.headers["server-timing"], times[-1]))
+
+  async def send_each() -> None:
+    pool = http_wire.WirePool.to(url, connections=1, idle_s=30.0)
+    try:
+      for payload, headers in payloads:
+        start = time.perf_counter()
+        status, answer_headers, answer = await pool.request(endpoint.path, payload, headers)
+        times.append(1e3 * (time.perf_counter() - start))
+        if status != 200:
+          raise RuntimeError(f"a lone request was answered {status}: {answer[:200]!r}")
+        if "server-timing" in answer_headers:
+          rows.append(stages.answer_row(answer_headers["server-timing"], times[-1]))
+    finally:
+      await pool.close()
+
+  uvloop.run(send_each())
   warm = len(times) // 10  # the first tenth warms up
   p50, p99 = np.percentile(times[warm:], (50, 99))
   return dict(requests=len(times), p50_ms=float(p50), p99_ms=float(p99),

@@ -106,3 +106,9 @@ def test_a_connection_the_server_closes_or_one_idle_too_long_is_not_used_again()
 def test_a_pool_of_no_connections_is_refused():
   with pytest.raises(ValueError, match="connections must be >= 1, got 0"):
     http_wire.WirePool("127.0.0.1", 1, connections=0)
+
+
+@pytest.mark.parametrize("url", ["https://127.0.0.1:8000", "http://127.0.0.1", "127.0.0.1:80"])
+def test_a_pool_to_anything_but_http_host_port_is_refused(url):
+  with pytest.raises(ValueError, match="url must be http://host:port"):
+    http_wire.WirePool.to(url)

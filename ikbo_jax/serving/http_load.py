@@ -25,7 +25,6 @@ import asyncio
 import concurrent.futures
 import multiprocessing
 import time
-import urllib.parse
 from collections.abc import Mapping, Sequence
 
 import msgspec
@@ -128,12 +127,11 @@ def _client(url: str, payloads: list, counts: list[int], qps: float, max_seconds
   """
 
   rows = []
-  host, port = _host_port(url)
 
   async def run() -> Tally:
     # Idle connections are dropped well before the server's keep-alive timeout
     # (5 s by default): one the server closes as a request goes out is a reset.
-    pool = http_wire.WirePool(host, port, connections, idle_s=1.0)
+    pool = http_wire.WirePool.to(url, connections, idle_s=1.0)
 
     async def send(payload: tuple[bytes, np.ndarray | None, dict]):
       body, want, headers = payload
@@ -161,13 +159,6 @@ def _client(url: str, payloads: list, counts: list[int], qps: float, max_seconds
   tally = uvloop.run(run())
   tally.stage_rows = rows
   return tally
-
-
-def _host_port(url: str) -> tuple[str, int]:
-  parts = urllib.parse.urlsplit(url)
-  if parts.scheme != "http" or parts.hostname is None or parts.port is None:
-    raise ValueError(f"url must be http://host:port, got {url!r}")
-  return parts.hostname, parts.port
 
 
 def _matches(endpoint: Endpoint, answer: bytes, headers: Mapping[str, str], want: np.ndarray,

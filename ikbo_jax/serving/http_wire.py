@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+import urllib.parse
 from collections.abc import Mapping
 
 import httptools
@@ -93,6 +94,14 @@ class WirePool:
     self._free = asyncio.Semaphore(connections)
     self._idle: collections.deque[_Connection] = collections.deque()
     self._open: set[_Connection] = set()
+
+  @classmethod
+  def to(cls, url: str, connections: int = 256, idle_s: float = 1.0) -> WirePool:
+    """A pool to `url`, which must be http://host:port."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or parts.hostname is None or parts.port is None:
+      raise ValueError(f"url must be http://host:port, got {url!r}")
+    return cls(parts.hostname, parts.port, connections, idle_s)
 
   async def request(self, path: str, body: bytes,
                     headers: Mapping[str, str]) -> tuple[int, dict[str, str], bytes]:
