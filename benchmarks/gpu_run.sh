@@ -11,7 +11,8 @@
 # "system" (the ranking system benchmark and the main job at the benchmark preset),
 # "serving" (checkpoint cost, the serving ladder three times, a profiler trace under load),
 # "host_path" (variants of a call's transfer, execution and fetch), "host_stages" (each
-# stage of a request in process: the call, lone requests, load),
+# stage of a request in process: the call, lone requests, load), "command_buffers" (host_stages
+# with XLA's command buffers as they are, off, and capturing custom calls too),
 # "http_cost" (the HTTP server's CPU per request on this host, JSON and msgpack bodies),
 # "cache" (the serving ladder once, then the user-state cache at two budgets),
 # "cache_soak" (tools/cache_soak.py for SOAK_MINUTES),
@@ -211,6 +212,20 @@ if has host_stages; then
   timeout "${HOST_STAGES_TIMEOUT:-240}" python3 -m benchmarks.host_stages ${HOST_STAGES_ARGS:-} \
     --out "$OUT/host_stages_${TAG}${RESULT_SUFFIX:-}.json" 2>&1 | grep -v Warning | cut -c1-700 \
     | tail -n 14
+fi
+if has command_buffers; then
+  # The call's launch cost with XLA's command buffers (CUDA graphs) as they are, off, and
+  # capturing every kind of thunk they can (custom calls: the Pallas kernels) from one
+  # thunk up; each variant compiles into a cache of its own.
+  for variant in "default|" "off|--xla_gpu_enable_command_buffer=" \
+      "all|--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1"; do
+    name=${variant%%|*}
+    XLA_FLAGS="${variant#*|}" JAX_COMPILATION_CACHE_DIR="/tmp/jax_cache_cb_$name" \
+      timeout "${HOST_STAGES_TIMEOUT:-170}" python3 -m benchmarks.host_stages \
+      ${HOST_STAGES_ARGS:---rates 4000 8000 --lone 200} \
+      --out "$OUT/host_stages_${TAG}_command_buffer_${name}.json" 2>&1 | grep -v Warning \
+      | cut -c1-400 | tail -n 6
+  done
 fi
 if has http_front; then
   # The sustained rate over HTTP with 1, 2, 4 and 8 HTTP processes feeding one model process
