@@ -19,10 +19,11 @@ import pytest
 
 from ikbo_jax.data.synthetic import ClickGenerator
 from ikbo_jax.data.trace import serving_trace
-from ikbo_jax.serving import Batcher, BatchingConfig, bodies, http_load
+from ikbo_jax.serving import Batcher, BatchingConfig, bodies, http_load, stages
 from ikbo_jax.serving.batcher import DeadlineExceeded, Overloaded
 from ikbo_jax.serving.draining import DrainingServer
 from ikbo_jax.serving.http import HttpLimits, create_app
+from ikbo_jax.serving.protocol import guarded_http
 from ikbo_jax.testing import loopback
 from serving_fakes import CONFIG, SlowScorer, json_body, some_requests
 
@@ -110,6 +111,27 @@ def test_a_request_whose_deadline_passes_while_its_body_arrives_is_never_compute
   assert late.status_code == 503 and "passed while it was read" in late.json()["error"]
   assert late.headers["retry-after"] == "1"
   assert in_time.status_code == 200 and len(model.seen) == 1
+
+
+def test_a_request_held_past_its_deadline_before_its_handler_starts_is_never_computed():
+  # An event loop at its limit holds parsed requests before their handlers start: the
+  # deadline counts from the first bytes read (`stages.ARRIVED`), so that wait counts too.
+  model = SlowScorer(0.0)
+  app = create_app(model, server_timing=True)
+  body = json_body(some_requests(1)[0])
+
+  async def backlogged(scope, receive, send):
+    if scope["type"] == "http" and scope["path"] == "/score":
+      time.sleep(0.3)  # the loop busy with other requests before this one's handler
+    await app(scope, receive, send)
+
+  with (loopback.serving(backlogged, http=guarded_http(10.0)) as served_at,
+        httpx.Client(base_url=served_at.url, timeout=30) as client):
+    late = client.post("/score", json=body, headers={"x-timeout-ms": "100"})
+    in_time = client.post("/score", json=body, headers={"x-timeout-ms": "5000"})
+  assert late.status_code == 503 and "passed while it was read" in late.json()["error"]
+  assert in_time.status_code == 200 and len(model.seen) == 1
+  assert stages.parse_server_timing(in_time.headers["server-timing"])["head"] >= 300
 
 
 def test_bad_clients_get_a_status_and_no_traceback(caplog):

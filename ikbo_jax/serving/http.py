@@ -57,7 +57,7 @@ from ikbo_jax.serving.cached import CachedModel
 from ikbo_jax.serving.metrics import ServingMetrics
 from ikbo_jax.serving.remote import ModelUnavailable, RemoteBatcher
 from ikbo_jax.serving.scorer import Scorer
-from ikbo_jax.serving.stages import StageClock
+from ikbo_jax.serving.stages import ARRIVED, StageClock
 
 _LOG = logging.getLogger(__name__)
 
@@ -221,8 +221,12 @@ async def _score_route(http_request: HttpRequest) -> Response:
   """
   state = http_request.app.state
   limits, metrics = state.limits, state.metrics
-  start = time.perf_counter()
+  # The deadline counts from the request's first bytes read, where the protocol saw them.
+  arrived = http_request.scope.get(ARRIVED)
+  start = arrived or time.perf_counter()
   clock = StageClock(start) if state.server_timing else None
+  if clock is not None and arrived is not None:
+    clock.mark("head")
   try:
     response = JSONResponse({"scores": await _score(http_request, limits, start, clock)})
     if clock is not None:

@@ -8,7 +8,9 @@ line up with the HTTP process's, and the hop between them is a stage too.
 
 The stages of `POST /score`, in order (a path leaves out those it lacks):
 
-    body      the handler starts -> the body is in
+    head      the request's first bytes are read -> its handler starts (the head's parse,
+              the event loop's backlog; under `serving.protocol`'s uvicorn protocol only)
+    body      -> the body is in
     decode    -> decoded and validated into a `Request`
     send      -> the model process has read it (several HTTP processes only)
     validate  -> the batcher has checked it against the model and queued it
@@ -23,8 +25,8 @@ The stages of `POST /score`, in order (a path leaves out those it lacks):
     answer    -> the request's coroutine has its scores (the hop back to the event loop)
     reply     -> the HTTP process has them (several HTTP processes only)
     encode    -> the response is built
-    outside   what a client measures beyond the stages above: the head's parse, the
-              write, the kernel's queues and the client's own loop
+    outside   what a client measures beyond the stages above: the write, the kernel's
+              queues and the client's own loop
 
 A server started with `--server-timing` sends each request's stages back in a
 standard `Server-Timing` header (`stage;dur=<ms>`), so a client sees the
@@ -38,7 +40,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-STAGES = ("body", "decode", "send", "validate", "queue", "thread", "pack", "h2d", "launch",
+# An ASGI scope's key for when its request's first bytes were read (`time.perf_counter()`,
+# set by `serving.protocol`): where the `head` stage begins, and the request's deadline.
+ARRIVED = "ikbo.arrived"
+STAGES = ("head", "body", "decode", "send", "validate", "queue", "thread", "pack", "h2d", "launch",
           "execute", "d2h", "model", "answer", "reply", "encode", "outside")
 
 
