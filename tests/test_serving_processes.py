@@ -54,8 +54,8 @@ def test_a_request_and_its_scores_cross_the_socket_unchanged(as_lists):
   if as_lists:  # a JSON body's fields before validation
     request = Request(**{f: getattr(request, f).tolist() for f in bodies.FIELDS})
   frame = frames.encode(("score", 7, request, 12.5, True))
-  kind, request_id, got, timeout_ms, timed = frames.decode(frame[4:])
-  assert (kind, request_id, timeout_ms, timed) == ("score", 7, 12.5, True)
+  kind, request_id, got, deadline, timed = frames.decode(frame[4:])
+  assert (kind, request_id, deadline, timed) == ("score", 7, 12.5, True)
   for field in dataclasses.fields(Request):
     want = getattr(request, field.name)
     if want is None:
@@ -98,6 +98,22 @@ def test_a_stream_cut_anywhere_reads_back_whole_and_a_broken_one_is_a_frame_erro
                        (b"\xff\xff\xff\xff", "past the bound")):
     seen, (error,) = close(broken)
     assert isinstance(error, frames.FrameError) and says in str(error), (broken[:8], error)
+
+
+def test_a_frame_read_past_its_deadline_is_refused_and_never_computed():
+  # The deadline crosses the hop as a time of the host's one monotonic clock: a frame that
+  # waited in the socket for a model process at its limit is not computed late.
+  model = SlowScorer(0.0)
+
+  async def body(remote, server, path):
+    await remote.ready()
+    request = some_requests(1)[0]
+    with pytest.raises(DeadlineExceeded, match="before the model process read it"):
+      await remote._ask("score", request, time.perf_counter() - 0.001, False, wait_s=1.0)
+    np.testing.assert_array_equal(await remote.score(request), request.cand_items / 1000)
+    assert len(model.seen) == 1
+
+  asyncio.run(_with_model_server(lambda: model, BatchingConfig(), body))
 
 
 def test_the_model_process_answers_as_its_batcher_does():

@@ -7,11 +7,15 @@ which its batcher does not repeat). Every user's requests meet the
 same cache, however many HTTP processes there are, and batches fill from all
 of them. What it answers (HTTP process -> model process, and back):
 
-    ("score", id, request, timeout_ms, timed) -> ("scores", id, scores, marks)
+    ("score", id, request, deadline, timed) -> ("scores", id, scores, marks)
                                         | ("refused", id, kind, message)
     ("cache", id, "report" | "flush")  -> ("cache", id, report)
     anything that fails otherwise      -> ("error", id, "Type: message")
 
+`deadline` is the `time.perf_counter()` by which the request must be answered: one
+clock for every process of a host (Linux's monotonic clock), so that the time a frame
+waits in the socket for this process, when it is at its limit, counts against the
+request's deadline too; one already past is refused unread by the batcher.
 `kind` names the batcher's exception (`REFUSALS`); `marks` are the request's
 stages here (`serving.stages`, the first ending when its frame was read) where
 `timed` asks for them, else None. A connection is greeted
@@ -31,6 +35,7 @@ import logging
 import math
 import os
 import signal
+import time
 from collections.abc import Callable
 
 from ikbo_jax.data import Request, RequestError
@@ -122,8 +127,12 @@ class ModelServer:
     kind, request_id, *rest = message
     try:
       if kind == "score":
-        request, timeout_ms, timed = rest
+        request, deadline, timed = rest
         clock = StageClock() if timed else None
+        timeout_ms = 1e3 * (deadline - time.perf_counter())
+        if timeout_ms <= 0:
+          raise DeadlineExceeded("the request's deadline passed before the model process "
+                                 "read it; it was not computed")
         # Checked by the HTTP process that read it (`RemoteBatcher.score`): the one process
         # every request goes through does no per-request work another process can do.
         scores = await self.batcher.score(request, timeout_ms, clock, checked=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 
 import numpy as np
 
@@ -91,7 +92,8 @@ class RemoteBatcher:
       request = self.model.check(request)  # here, not in the one model process
       if clock is not None:
         clock.mark("validate")
-    scores, marks = await self._ask("score", request, timeout_ms, clock is not None,
+    deadline = time.perf_counter() + timeout_ms / 1e3  # the model process's clock too
+    scores, marks = await self._ask("score", request, deadline, clock is not None,
                                     wait_s=timeout_ms / 1e3)
     if clock is not None:
       clock.extend(marks)
