@@ -28,10 +28,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 
 import aiohttp
 import numpy as np
 import uvloop
+from starlette.responses import JSONResponse
 
 from benchmarks import common
 from ikbo_jax.data import pack_requests
@@ -40,7 +42,7 @@ from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.models import Build, RankerConfig
 from ikbo_jax.serving.buckets import bucket_holding, default_buckets, smallest_fitting
 from benchmarks.serving_load import server_metrics, wait_ready
-from ikbo_jax.serving import bodies, http_load
+from ikbo_jax.serving import bodies, http, http_load
 from ikbo_jax.serving.transfer import FlatLayout
 from ikbo_jax.testing import loopback
 
@@ -165,7 +167,8 @@ def main() -> None:
     server.send_signal(signal.SIGTERM)
     server.wait(timeout=60)
     log.close()
-  row.update(timeout_ms=args.timeout_ms, content_type=args.content_type,
+  row.update(answer_encoding_us=_answer_encoding_us(mean),
+             timeout_ms=args.timeout_ms, content_type=args.content_type,
              mean_body_bytes=float(np.mean([len(p) for p in payloads])),
              concurrency=args.concurrency, cpus=os.cpu_count())
   print(f"{row['requests']} requests {row['statuses']}, {args.content_type} bodies of "
@@ -173,6 +176,15 @@ def main() -> None:
         f"ms per request (at most {row['server_ceiling_per_s']:.0f}/s per process), "
         f"{row['rate']:.0f}/s here", flush=True)
   common.write_json(args.out, dict(**common.metadata(), config=str(config), **row))
+
+
+def _answer_encoding_us(mean: float) -> dict[str, float]:
+  """Building one answer of `mean` scores: starlette's `JSONResponse` (the standard
+  library's `json.dumps`) against the server's (msgspec), best of five, microseconds."""
+  content = {"scores": np.random.default_rng(0).random(int(mean), np.float32).tolist()}
+  return {cls.__name__: 1e6 * min(timeit.repeat(lambda: cls(content), number=2000,
+                                                 repeat=5)) / 2000
+          for cls in (JSONResponse, http.FastJSON)}
 
 
 if __name__ == "__main__":

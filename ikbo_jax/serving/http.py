@@ -41,6 +41,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
 import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
@@ -172,6 +173,16 @@ def create_app(model: Scorer | Callable[[], Scorer] | None,
   return app
 
 
+class FastJSON(JSONResponse):
+  """`POST /score`'s answers and refusals, encoded by msgspec (C) rather than `json.dumps`:
+  on an HTTP process at its limit, encoding the scores was ~12% of a request's time (an
+  answer of 70 scores: 39 us with `JSONResponse`, 5.7 with this; `http_server_cost.py`).
+  Scores are finite here (a request with any that is not is refused 422 first)."""
+
+  def render(self, content) -> bytes:
+    return msgspec.json.encode(content)
+
+
 async def _score_route(http_request: HttpRequest) -> Response:
   """Scores one request's candidates (the OpenAPI operation below, served at /openapi.json).
   ---
@@ -228,7 +239,7 @@ async def _score_route(http_request: HttpRequest) -> Response:
   if clock is not None and arrived is not None:
     clock.mark("head")
   try:
-    response = JSONResponse({"scores": await _score(http_request, limits, start, clock)})
+    response = FastJSON({"scores": await _score(http_request, limits, start, clock)})
     if clock is not None:
       clock.mark("encode")
       response.headers["Server-Timing"] = clock.server_timing()
@@ -238,8 +249,7 @@ async def _score_route(http_request: HttpRequest) -> Response:
           refusal.status, "deadline" if state.batcher else "not_ready")
       metrics.refused.labels(reason).inc()
     headers = {"Retry-After": str(limits.retry_after_s)} if refusal.retry else None
-    response = JSONResponse({"error": str(refusal)}, status_code=refusal.status,
-                            headers=headers)
+    response = FastJSON({"error": str(refusal)}, status_code=refusal.status, headers=headers)
   except Exception as e:  # a defect of ours: one line in the log, no traceback
     _LOG.error("POST /score failed: %s: %s", type(e).__name__, e)
     response = JSONResponse({"error": f"internal error ({type(e).__name__})"}, status_code=500)
