@@ -29,8 +29,7 @@ _STUB_MS = (0.232, 1.057)
 
 
 async def _wire(url: str, payloads, counts, rate: float, seconds: float):
-  host, port = url.removeprefix("http://").split(":")
-  pool = http_wire.WirePool(host, int(port), connections=256)
+  pool = http_wire.WirePool.to(url, connections=256)
 
   async def send(body: bytes):
     status, _, _ = await pool.request("/score", body, {"content-type": bodies.MSGPACK})

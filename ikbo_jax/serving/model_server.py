@@ -15,7 +15,7 @@ of them. What it answers (HTTP process -> model process, and back):
 `deadline` is the `time.perf_counter()` by which the request must be answered: one
 clock for every process of a host (Linux's monotonic clock), so that the time a frame
 waits in the socket for this process, when it is at its limit, counts against the
-request's deadline too; one already past is refused unread by the batcher.
+request's deadline too; one already past when its frame is read is refused, never queued.
 `kind` names the batcher's exception (`REFUSALS`); `marks` are the request's
 stages here (`serving.stages`, the first ending when its frame was read) where
 `timed` asks for them, else None. A connection is greeted
