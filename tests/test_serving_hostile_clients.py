@@ -14,6 +14,7 @@ import socket
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from ikbo_jax.serving.draining import DrainingServer
@@ -32,6 +33,30 @@ def test_a_client_that_stops_sending_its_body_gets_408():
                    b"Content-Length: 1000\r\n\r\n{\"user_dense\": [")
       reply = conn.recv(4096).decode()
   assert reply.startswith("HTTP/1.1 408") and "did not arrive" in reply
+
+
+def test_a_body_in_pieces_above_the_minimum_rate_is_scored_as_a_whole_one():
+  """Five pieces 0.1 s apart, past the grace second's share: each moves the body's deadline,
+  none passes it, and the scores are those of the same body sent at once."""
+  request = some_requests(1)[0]
+  body = json.dumps(json_body(request)).encode()
+  limits = HttpLimits(min_body_rate=200.0, body_grace_s=0.15)
+  with loopback.serving(create_app(SlowScorer(0.0), limits=limits)) as served_at:
+    host, port = served_at.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+      conn.sendall(HEAD + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
+      for piece in range(5):
+        time.sleep(0.1)
+        conn.sendall(body[piece * len(body) // 5:(piece + 1) * len(body) // 5])
+      reply = b""
+      while chunk := conn.recv(65536):
+        reply += chunk
+    whole = httpx.post(f"{served_at.url}/score", content=body,
+                       headers={"content-type": "application/json"})
+  head, _, answer = reply.partition(b"\r\n\r\n")
+  assert head.startswith(b"HTTP/1.1 200"), reply[:300]
+  assert json.loads(answer) == whole.json()
+  assert whole.json()["scores"] == pytest.approx(np.asarray(request.cand_items) / 1000)
 
 
 @pytest.mark.parametrize("drip", [False, True], ids=["idle", "one_byte_at_a_time"])

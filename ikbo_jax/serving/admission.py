@@ -18,10 +18,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import time
 from collections.abc import Iterator
 
-from starlette.requests import ClientDisconnect, Request as HttpRequest
 
 
 class Refusal(Exception):
@@ -76,40 +74,41 @@ class Admission:
       self.active -= 1
 
 
-async def receive_body(http_request: HttpRequest, max_bytes: int, timeout_s: float,
+async def receive_body(receive, declared: str | None, max_bytes: int, timeout_s: float,
                        min_rate: float, grace_s: float) -> bytes:
-  """The request's body, refused (413, 408, 499) if it is over `max_bytes`, takes over
-  `timeout_s` in all, or keeps arriving slower than `min_rate` bytes/s after `grace_s`."""
-  declared = http_request.headers.get("content-length")
+  """The body of the request whose ASGI `receive` this is (`declared`: its Content-Length
+  header, if any), refused (413, 408, 499) if it is over `max_bytes`, takes over `timeout_s`
+  in all, or keeps arriving slower than `min_rate` bytes/s after `grace_s`.
+
+  One timer serves both limits, moved at each chunk: a body that came with its head costs
+  one `receive` and no more.
+  """
   if declared is not None and (not declared.isdigit() or int(declared) > max_bytes):
     raise Refusal(413, f"the body may have at most {max_bytes} bytes, Content-Length says "
                        f"{declared}")
-  start, size = time.perf_counter(), 0
-
-  async def read() -> bytes:
-    nonlocal size
-    chunks, stream = [], http_request.stream()
-    try:
+  loop = asyncio.get_running_loop()
+  start, size, chunks, whole_due = loop.time(), 0, [], False
+  try:
+    async with asyncio.timeout(None) as window:
       while True:
         # The next bytes are due when the body would fall below the minimum rate.
         due = max(grace_s, (size + 1) / min_rate)
-        try:
-          chunk = await asyncio.wait_for(anext(stream), due - (time.perf_counter() - start))
-        except StopAsyncIteration:
-          return b"".join(chunks)
-        except TimeoutError:
-          took = time.perf_counter() - start
-          raise Refusal(408, f"the body arrived at {size / took:.0f} bytes/s ({size} bytes in "
-                             f"{took:.1f} s); the minimum is {min_rate:.0f}") from None
+        whole_due = timeout_s <= due
+        window.reschedule(start + min(timeout_s, due))
+        message = await receive()
+        if message["type"] == "http.disconnect":  # the client's doing: no 500, no ERROR line
+          raise Refusal(499, f"the client closed its connection after {size} bytes of its "
+                             "body")
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > max_bytes:
           raise Refusal(413, f"the body may have at most {max_bytes} bytes")
         chunks.append(chunk)
-    except ClientDisconnect:  # the client's doing, not a server error: no 500, no ERROR line
-      raise Refusal(499, f"the client closed its connection after {size} bytes of its "
-                         "body") from None
-
-  try:
-    return await asyncio.wait_for(read(), timeout_s)
-  except TimeoutError:  # the whole body's limit (the rate's is a `Refusal` already)
-    raise Refusal(408, f"the body did not arrive within {timeout_s} s") from None
+        if not message.get("more_body", False):
+          return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+  except TimeoutError:
+    if whole_due:
+      raise Refusal(408, f"the body did not arrive within {timeout_s} s") from None
+    took = loop.time() - start
+    raise Refusal(408, f"the body arrived at {size / took:.0f} bytes/s ({size} bytes in "
+                       f"{took:.1f} s); the minimum is {min_rate:.0f}") from None

@@ -20,7 +20,8 @@
     body arrived; nothing is sent, and it is counted apart from the server's errors)
 
 A request's deadline is the `X-Timeout-Ms` header or the batcher's default, counted from
-when its handler starts (a CPU-bound server's wait is in reading and decoding bodies).
+when its first bytes were read (a CPU-bound server's wait is in its event loop's backlog and
+in reading and decoding bodies). `serving.score_endpoint` answers `POST /score`.
 `GET /health/live` answers while the process runs, `GET /health/ready` only once
 every bucket is compiled; `GET /health` reports the build, the buckets and the
 request fields the loaded model takes; `GET /metrics` is Prometheus' (`metrics`);
@@ -38,11 +39,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import time
 from collections.abc import Callable
 
-import msgspec
-import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
@@ -50,15 +48,14 @@ from starlette.routing import Route
 from starlette.schemas import SchemaGenerator
 
 from ikbo_jax import __version__
-from ikbo_jax.data import RequestError
 from ikbo_jax.serving import bodies
-from ikbo_jax.serving.admission import Admission, Refusal, receive_body
-from ikbo_jax.serving.batcher import Batcher, BatchingConfig, DeadlineExceeded, Overloaded
+from ikbo_jax.serving.admission import Admission, Refusal
+from ikbo_jax.serving.batcher import Batcher, BatchingConfig
 from ikbo_jax.serving.cached import CachedModel
 from ikbo_jax.serving.metrics import ServingMetrics
 from ikbo_jax.serving.remote import ModelUnavailable, RemoteBatcher
 from ikbo_jax.serving.scorer import Scorer
-from ikbo_jax.serving.stages import ARRIVED, StageClock
+from ikbo_jax.serving.score_endpoint import ScoreEndpoint
 
 _LOG = logging.getLogger(__name__)
 
@@ -173,91 +170,6 @@ def create_app(model: Scorer | Callable[[], Scorer] | None,
   return app
 
 
-class FastJSON(JSONResponse):
-  """`POST /score`'s answers and refusals, encoded by msgspec (C) rather than `json.dumps`:
-  on an HTTP process at its limit, encoding the scores was ~12% of a request's time (an
-  answer of 70 scores: 39 us with `JSONResponse`, 5.7 with this; `http_server_cost.py`).
-  Scores are finite here (a request with any that is not is refused 422 first)."""
-
-  def render(self, content) -> bytes:
-    return msgspec.json.encode(content)
-
-
-async def _score_route(http_request: HttpRequest) -> Response:
-  """Scores one request's candidates (the OpenAPI operation below, served at /openapi.json).
-  ---
-  summary: Click probabilities of one user's candidates, in candidate order.
-  parameters:
-    - {name: X-Timeout-Ms, in: header, required: false, schema: {type: number},
-       description: the request's deadline in milliseconds (default the server's)}
-  requestBody:
-    required: true
-    content:
-      application/json:
-        schema:
-          type: object
-          required: [user_dense, history, cand_items, cand_dense]
-          additionalProperties: false
-          properties:
-            user_dense: {type: array, items: {type: number},
-                         description: the user's profile features (GET /health gives how many)}
-            history: {type: array, items: {type: integer, minimum: 0},
-                      description: item ids of the behaviour history, most recent last}
-            cand_items: {type: array, minItems: 1, items: {type: integer, minimum: 0},
-                         description: the candidates' item ids}
-            cand_dense: {type: array, items: {type: array, items: {type: number}},
-                         description: per candidate, its statistics}
-      application/msgpack:
-        schema:
-          type: object
-          required: [user_dense, history, cand_items, cand_dense]
-          additionalProperties: false
-          description: >-
-            the same fields, each a typed array {dtype, shape, data}: dtype in NumPy's
-            array-interface form with its byte order, data a msgpack bin of the bytes
-          properties:
-            user_dense: {type: object, description: "dtype '<f4', shape [user_dense]"}
-            history: {type: object, description: "dtype '<i4', shape [L]"}
-            cand_items: {type: object, description: "dtype '<i4', shape [n]"}
-            cand_dense: {type: object, description: "dtype '<f4', shape [n, cand_dense], row-major"}
-  responses:
-    200: {description: "{scores: [...]}, one probability per candidate"}
-    400: {description: malformed (the error names the field)}
-    408: {description: the body did not arrive in time}
-    413: {description: body or candidate count over the limit}
-    415: {description: the content type is neither application/json nor application/msgpack}
-    422: {description: the scores are not finite (inputs overflow the model)}
-    429: {description: "the queue is full; see Retry-After"}
-    503: {description: "the deadline passed while read or queued, or not ready; see Retry-After"}
-  """
-  state = http_request.app.state
-  limits, metrics = state.limits, state.metrics
-  # The deadline counts from the request's first bytes read, where the protocol saw them.
-  arrived = http_request.scope.get(ARRIVED)
-  start = arrived or time.perf_counter()
-  clock = StageClock(start) if state.server_timing else None
-  if clock is not None and arrived is not None:
-    clock.mark("head")
-  try:
-    response = FastJSON({"scores": await _score(http_request, limits, start, clock)})
-    if clock is not None:
-      clock.mark("encode")
-      response.headers["Server-Timing"] = clock.server_timing()
-  except Refusal as refusal:
-    if refusal.status in (429, 499, 503):
-      reason = refusal.reason or {429: "overloaded", 499: "client_closed"}.get(
-          refusal.status, "deadline" if state.batcher else "not_ready")
-      metrics.refused.labels(reason).inc()
-    headers = {"Retry-After": str(limits.retry_after_s)} if refusal.retry else None
-    response = FastJSON({"error": str(refusal)}, status_code=refusal.status, headers=headers)
-  except Exception as e:  # a defect of ours: one line in the log, no traceback
-    _LOG.error("POST /score failed: %s: %s", type(e).__name__, e)
-    response = JSONResponse({"error": f"internal error ({type(e).__name__})"}, status_code=500)
-  metrics.request_seconds.labels("/score", str(response.status_code)).observe(
-      time.perf_counter() - start)
-  return response
-
-
 def _health(http_request: HttpRequest) -> JSONResponse:
   state = http_request.app.state
   if state.model is None:
@@ -332,7 +244,7 @@ def _openapi(http_request: HttpRequest) -> JSONResponse:
   return JSONResponse(_SCHEMAS.get_schema(routes=http_request.app.routes))
 
 
-_ROUTES = [Route("/score", _score_route, methods=["POST"]),
+_ROUTES = [Route("/score", ScoreEndpoint(), methods=["POST"]),
            Route("/health", _health, methods=["GET"]),
            Route("/health/live", _live, methods=["GET"]),
            Route("/health/ready", _ready, methods=["GET"]),
@@ -340,83 +252,6 @@ _ROUTES = [Route("/score", _score_route, methods=["POST"]),
            Route("/cache", _cache, methods=["GET"], include_in_schema=False),
            Route("/cache/flush", _cache, methods=["POST"], include_in_schema=False),
            Route("/openapi.json", _openapi, methods=["GET"], include_in_schema=False)]
-
-
-async def _score(http_request: HttpRequest, limits: HttpLimits, arrived: float,
-                 clock: StageClock | None) -> list[float]:
-  """The request's scores; its deadline counts from `arrived` (`time.perf_counter()`).
-  `clock`, if any, gets its stages."""
-  batcher: Batcher | None = http_request.app.state.batcher
-  if batcher is None:
-    raise Refusal(503, "the model is still compiling; retry later", retry=True)
-  timeout_ms = (_timeout_ms(http_request.headers.get("x-timeout-ms"), limits.max_timeout_ms)
-                or batcher.config.default_timeout_ms)
-  content_type = http_request.headers.get("content-type", "").split(";")[0].strip().lower()
-  if content_type not in bodies.CONTENT_TYPES:
-    raise Refusal(415, f"the content type must be one of {list(bodies.CONTENT_TYPES)}, got "
-                        f"{content_type!r}")
-  # Under overload the queue's wait alone can pass the deadline: such a request would only
-  # be read, decoded and queued to time out, so it is refused before its body is read.
-  expected_ms = batcher.expected_wait_ms
-  if expected_ms > timeout_ms:
-    raise Refusal(503, f"the queue's expected wait ({expected_ms:.0f} ms) is past the "
-                       f"request's deadline ({timeout_ms:g} ms); it was not read", retry=True,
-                  reason="deadline")
-  admission: Admission = http_request.app.state.admission
-  admission.check_working()  # full of received requests: refused before reading the body
-  with admission.receiving_body(http_request.client and http_request.client.host):
-    body = await receive_body(http_request, limits.max_body_bytes, limits.body_timeout_s,
-                              limits.min_body_rate, limits.body_grace_s)
-  if clock is not None:
-    clock.mark("body")
-  with admission.working():
-    return await _decode_and_score(body, content_type, batcher, limits, timeout_ms, arrived,
-                                   clock)
-
-
-async def _decode_and_score(body: bytes, content_type: str, batcher: Batcher,
-                            limits: HttpLimits, timeout_ms: float, arrived: float,
-                            clock: StageClock | None) -> list[float]:
-  try:
-    request = bodies.decode(content_type, body, batcher.model.config, limits.max_candidates)
-  except bodies.BodyError as e:
-    raise Refusal(e.status, str(e)) from None
-  if clock is not None:
-    clock.mark("decode")
-  # On a CPU-bound server the wait is here, reading and decoding, before the batcher's queue:
-  # a request whose deadline passed on the way is refused, never queued.
-  left_ms = timeout_ms - 1e3 * (time.perf_counter() - arrived)
-  if left_ms <= 0:
-    raise Refusal(503, f"the request's deadline ({timeout_ms:g} ms) passed while it was read; "
-                        "it was not computed", retry=True)
-  try:
-    scores = await batcher.score(request, left_ms, clock)
-  except RequestError as e:
-    raise Refusal(400, str(e)) from None
-  except Overloaded as e:
-    raise Refusal(429, str(e), retry=True) from None
-  except DeadlineExceeded as e:
-    raise Refusal(503, str(e), retry=True) from None
-  except ModelUnavailable as e:
-    raise Refusal(503, str(e), retry=True, reason="not_ready") from None
-  finite = np.isfinite(scores)
-  if not finite.all():
-    raise Refusal(422, f"{int((~finite).sum())} of the request's {scores.size} scores are not "
-                        "finite: its inputs overflow the model")
-  return scores.tolist()
-
-
-def _timeout_ms(header: str | None, most: float) -> float | None:
-  if header is None:
-    return None
-  try:
-    value = float(header)
-  except ValueError:
-    value = float("nan")
-  if not 0 < value <= most:
-    raise Refusal(400, f"X-Timeout-Ms must be a number of milliseconds in (0, {most:g}], got "
-                        f"{header!r}")
-  return value
 
 
 def _request_schema(model: Scorer, limits: HttpLimits) -> dict:

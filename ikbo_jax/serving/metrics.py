@@ -57,7 +57,16 @@ class ServingMetrics:
     self.refused = prom.Counter("ikbo_refused", "requests answered without computing them",
                                 ("reason",), registry=r)
 
+    self._latency: dict[tuple[str, int], prom.Histogram] = {}
     self._watched: list[prom.registry.Collector] = []
+
+  def observe_request(self, route: str, status: int, seconds: float) -> None:
+    """One answered request's latency. Each (route, status)'s child is looked up once: on
+    the hot path `labels` cost as much as the observation."""
+    child = self._latency.get((route, status))
+    if child is None:
+      child = self._latency[route, status] = self.request_seconds.labels(route, str(status))
+    child.observe(seconds)
 
   def watch_queue(self, requests: Callable[[], int], candidates: Callable[[], int]) -> None:
     """Reads the queue depths from the batcher at each scrape."""
