@@ -235,6 +235,8 @@ def test_not_ready_until_the_model_is_built():
     assert set(body["schema"]["required"]) == set(bodies.FIELDS)
     assert {"200", "413", "429", "503"} <= set(map(str, spec["paths"]["/score"]["post"][
         "responses"]))
+    # Only POST reaches the endpoint; the rest of /score is Starlette's routing.
+    assert client.get("/score").status_code == 405
 
 
 def test_shutdown_answers_what_is_in_flight_then_exits():
