@@ -4,8 +4,9 @@ Starlette's function endpoints wrap every request in a `Request`, a `Response` a
 exception-handling layer around `send`; on an HTTP process at its limit those layers cost
 ~15% of a request's time (a py-spy profile of the CPU stub). This app reads the headers it
 needs from the scope, the body from `receive`, and writes its answer as two ASGI messages.
-What it answers is `serving.http`'s (the statuses are listed there); Starlette still routes
-to it, answers 405 for other methods, and reads its OpenAPI operation from `post`.
+What it answers is `serving.http`'s (the statuses are listed there). The app hands it
+`POST /score` directly (`http._App`); Starlette answers 405 for other methods on /score and
+reads the OpenAPI operation from `post`.
 """
 
 from __future__ import annotations
