@@ -296,3 +296,22 @@ def test_one_client_may_not_hold_most_of_the_bodies_being_received():
   assert len(refused) == 4, refused
   assert all(r.startswith("HTTP/1.1 429") and "already sending 8 bodies" in r for r in refused)
   assert full.status_code == 503 and "10 request bodies" in full.json()["error"], full.text
+
+
+def test_the_renamed_body_reader_and_answer_class_still_work_with_a_warning():
+  from ikbo_jax.serving import admission, http
+
+  with pytest.warns(DeprecationWarning, match="use msgspec.json.encode"):
+    response = http.FastJSON({"scores": [0.5]})
+  assert json.loads(response.body) == {"scores": [0.5]}
+
+  class OldRequest:  # what the old reader read: a Starlette request's receive and headers
+    headers = {"content-length": "5"}
+
+    @staticmethod
+    async def receive():
+      return {"type": "http.request", "body": b"12345", "more_body": False}
+
+  with pytest.warns(DeprecationWarning, match="use admission.read_body"):
+    body = asyncio.run(admission.receive_body(OldRequest(), 100, 1.0, 10.0, 1.0))
+  assert body == b"12345"

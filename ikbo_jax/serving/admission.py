@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 
@@ -74,7 +75,7 @@ class Admission:
       self.active -= 1
 
 
-async def receive_body(receive, declared: str | None, max_bytes: int, timeout_s: float,
+async def read_body(receive, declared: str | None, max_bytes: int, timeout_s: float,
                        min_rate: float, grace_s: float) -> bytes:
   """The body of the request whose ASGI `receive` this is (`declared`: its Content-Length
   header, if any), refused (413, 408, 499) if it is over `max_bytes`, takes over `timeout_s`
@@ -112,3 +113,13 @@ async def receive_body(receive, declared: str | None, max_bytes: int, timeout_s:
     took = loop.time() - start
     raise Refusal(408, f"the body arrived at {size / took:.0f} bytes/s ({size} bytes in "
                        f"{took:.1f} s); the minimum is {min_rate:.0f}") from None
+
+
+async def receive_body(http_request, max_bytes: int, timeout_s: float, min_rate: float,
+                       grace_s: float) -> bytes:
+  """Deprecated: `read_body(http_request.receive, http_request.headers.get("content-length"),
+  ...)`, which takes the ASGI `receive` (POST /score no longer builds a Starlette request)."""
+  warnings.warn("admission.receive_body is deprecated; use admission.read_body with the ASGI "
+                "receive and the Content-Length header", DeprecationWarning, stacklevel=2)
+  return await read_body(http_request.receive, http_request.headers.get("content-length"),
+                         max_bytes, timeout_s, min_rate, grace_s)

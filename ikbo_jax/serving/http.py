@@ -39,8 +39,10 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import warnings
 from collections.abc import Callable
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
@@ -284,3 +286,20 @@ def _request_schema(model: Scorer, limits: HttpLimits) -> dict:
       "headers": {"X-Timeout-Ms": "optional: the request's deadline in milliseconds"},
       "max_body_bytes": limits.max_body_bytes,
   }
+
+
+class _FastJSON(JSONResponse):
+  """A `JSONResponse` encoded by msgspec: what `POST /score` answered with before it had an
+  endpoint of its own; kept for the deprecated name `FastJSON`."""
+
+  def render(self, content) -> bytes:
+    return msgspec.json.encode(content)
+
+
+def __getattr__(name: str):
+  if name == "FastJSON":
+    warnings.warn("serving.http.FastJSON is deprecated: POST /score's endpoint "
+                  "(serving.score_endpoint) encodes its answers; use msgspec.json.encode "
+                  "or starlette's JSONResponse", DeprecationWarning, stacklevel=2)
+    return _FastJSON
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,7 +19,7 @@ import numpy as np
 
 from ikbo_jax.data import RequestError
 from ikbo_jax.serving import bodies
-from ikbo_jax.serving.admission import Admission, Refusal, receive_body
+from ikbo_jax.serving.admission import Admission, Refusal, read_body
 from ikbo_jax.serving.batcher import Batcher, DeadlineExceeded, Overloaded
 from ikbo_jax.serving.remote import ModelUnavailable
 from ikbo_jax.serving.stages import ARRIVED, StageClock
@@ -145,8 +145,8 @@ async def _score(scope, receive, state, arrived: float, clock: StageClock | None
   admission.check_working()  # full of received requests: refused before reading the body
   client = scope.get("client")
   with admission.receiving_body(client[0] if client else None):
-    body = await receive_body(receive, headers.get(b"content-length"), limits.max_body_bytes,
-                              limits.body_timeout_s, limits.min_body_rate, limits.body_grace_s)
+    body = await read_body(receive, headers.get(b"content-length"), limits.max_body_bytes,
+                           limits.body_timeout_s, limits.min_body_rate, limits.body_grace_s)
   if clock is not None:
     clock.mark("body")
   with admission.working():
