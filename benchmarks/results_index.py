@@ -69,6 +69,7 @@ PRODUCERS = {
     "pytriton_front": "benchmarks/pytriton_front.py",
     "model_process_cost": "benchmarks/model_process_cost.py",
     "load_client_cost": "benchmarks/load_client_cost.py",
+    "held_head_experiment": "an experiment: http_front.py --stub and load_client_cost.py around code since reverted",
     "model_process_experiments": "experiments: benchmarks/model_process_cost.py --rates around code since reverted",
 }
 # Where citations are looked for.
