@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,8 @@ import numpy as np
 from ikbo_jax.rewrite.interpreter import Rewriter
 from ikbo_jax.ops.marked_attention import attention, flax_attention_fn
 from ikbo_jax.rewrite.report import Change, Report
-from ikbo_jax.rewrite.selectors import as_selectors, describe, leaf_paths, select
+from ikbo_jax.rewrite.arguments import bind
+from ikbo_jax.rewrite.selectors import as_selectors, describe, select
 from ikbo_jax.rewrite.values import Plain, materialize
 
 __all__ = ["Change", "Report", "attention", "explain", "flax_attention_fn", "rewrite"]
@@ -72,6 +73,7 @@ def _renamed(caller: str, selectors: dict, old: dict) -> dict:
 
 
 def rewrite(fn: Callable, *, mapping=None, users=None, candidates=None,
+            static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
             report: Report | None = None, **renamed) -> Callable:
   """`fn` with broadcasts of user rows pushed into IKBO form.
 
@@ -88,12 +90,17 @@ def rewrite(fn: Callable, *, mapping=None, users=None, candidates=None,
       input is batch-free (weights). Without it, any other array whose leading
       axis has size B counts as a candidate input, which is safe but may keep a
       weight of that size from moving to batch U.
+    static_argnums, static_argnames: arguments held constant in the trace whatever
+      they are, as `jax.jit`'s. Without them the rewrite traces what `jax.jit` traces
+      (JAX and NumPy arrays) and holds every other value constant: Python numbers and
+      flags, strings, configuration objects (`ikbo_jax.rewrite.arguments`).
     report: if given, each trace appends its changes to it.
     **renamed: `mapping_argnum`, `user_argnums` and `candidate_argnums`, the
       old names of `mapping`, `users` and `candidates`: deprecated, they warn.
 
   Returns:
-    A function with `fn`'s signature and results, for every input (ids out of
+    A function with `fn`'s signature (positional and keyword arguments, defaults)
+    and results, for every input (ids out of
     range included: each gather keeps its own out-of-range semantics). It
     composes with `jax.jit`, `jax.grad` (the backward runs through the IKBO
     ops' own VJPs), `jax.vmap` and `nnx.split`/`nnx.merge`. Forward-mode
@@ -112,9 +119,13 @@ def rewrite(fn: Callable, *, mapping=None, users=None, candidates=None,
   if not callable(mapping) and mapping in user_selectors:
     raise ValueError(f"mapping={mapping!r} is also selected by users={users!r}")
 
+  static_argnums, static_argnames = _static("static_argnums", static_argnums, int), _static(
+      "static_argnames", static_argnames, str)
+
   @functools.wraps(fn)
-  def rewritten(*args):
-    leaves, paths = leaf_paths(fn, args)
+  def rewritten(*args, **kwargs):
+    call = bind(fn, args, kwargs, static_argnums, static_argnames)
+    leaves, paths = call.leaves, call.paths
     is_mapping = select(mapping_selectors, paths, leaves)
     hits = [i for i, hit in enumerate(is_mapping) if hit]
     if len(hits) != 1:
@@ -134,7 +145,8 @@ def rewrite(fn: Callable, *, mapping=None, users=None, candidates=None,
       is_cand = select(cand_selectors, paths, leaves)
     else:
       is_cand = [np.ndim(x) > 0 and np.shape(x)[0] == num_candidates for x in leaves]
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    closed, out_shape = jax.make_jaxpr(lambda *traced: call.call(fn, traced),
+                                       return_shape=True)(*leaves)
     interpreted = [Plain(x, at_b=True, mapped=True) if i == where else
                    Plain(x, at_u=True) if is_user[i] else Plain(x, at_b=bool(is_cand[i]))
                    for i, x in enumerate(leaves)]
@@ -145,16 +157,35 @@ def rewrite(fn: Callable, *, mapping=None, users=None, candidates=None,
   return rewritten
 
 
+def _static(name: str, value, kind: type) -> tuple:
+  """`static_argnums` / `static_argnames` as a tuple, checked as `jax.jit` would."""
+  expected = f"{name} must be {'non-negative ints' if kind is int else 'strs'}, got {value!r}"
+  try:
+    values = (value,) if isinstance(value, kind) else tuple(value)
+  except TypeError:
+    raise TypeError(expected) from None
+  if any(not isinstance(v, kind) or isinstance(v, bool) or (kind is int and v < 0)
+         for v in values):
+    raise TypeError(expected)
+  return values
+
+
 def explain(fn: Callable, *args, mapping=None, users=None, candidates=None,
-            **renamed) -> Report:
-  """What `rewrite` changes in `fn` for arguments like `args` (traced abstractly, not run).
+            kwargs: dict | None = None, static_argnums: int | Sequence[int] = (),
+            static_argnames: str | Sequence[str] = (), **renamed) -> Report:
+  """What `rewrite` changes in `fn` for arguments like `args` and `kwargs` (`fn`'s keyword
+  arguments), traced abstractly, not run.
 
   Every broadcast made real is listed (`Report.materialized`) with the
-  primitive that needed it and the reason no rule moved it. The keywords are
-  `rewrite`'s (the old names warn there too).
+  primitive that needed it and the reason no rule moved it. The other keywords are
+  `rewrite`'s (the old names warn there too); as there, only arrays are traced.
   """
   selectors = _renamed("explain", dict(mapping=mapping, users=users, candidates=candidates),
                        renamed)
+  static = dict(static_argnums=static_argnums, static_argnames=static_argnames)
   report = Report()
-  jax.make_jaxpr(rewrite(fn, **selectors, report=report))(*args)
+  fast = rewrite(fn, **selectors, **static, report=report)
+  call = bind(fn, args, kwargs or {}, _static("static_argnums", static_argnums, int),
+              _static("static_argnames", static_argnames, str))
+  jax.make_jaxpr(lambda *traced: call.call(fast, traced))(*call.leaves)
   return report

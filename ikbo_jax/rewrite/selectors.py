@@ -16,29 +16,22 @@ A selector is one of:
 
 from __future__ import annotations
 
-import inspect
+import warnings
 from collections.abc import Callable, Sequence
 
-import jax
+from ikbo_jax.rewrite import arguments
 
 Selector = int | str | Callable
 
 
 def leaf_paths(fn: Callable, args: tuple) -> tuple[list, list[tuple[str, ...]]]:
-  """The leaves of `args` and, per leaf, its paths (by parameter name and by position)."""
-  try:
-    params = [p.name for p in inspect.signature(fn).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-  except (TypeError, ValueError):
-    params = []
-  leaves, paths = [], []
-  for keys, leaf in jax.tree_util.tree_flatten_with_path(tuple(args))[0]:
-    position = keys[0].idx
-    rest = jax.tree_util.keystr(keys[1:], simple=True, separator=".")
-    heads = [str(position)] + ([params[position]] if position < len(params) else [])
-    paths.append(tuple(f"{h}.{rest}" if rest else h for h in heads))
-    leaves.append(leaf)
-  return leaves, paths
+  """Deprecated: `arguments.bind(fn, args, {})`'s `leaves` and `paths` (the arrays the
+  rewrite traces, and their paths by parameter position and name)."""
+  warnings.warn("rewrite.selectors.leaf_paths is deprecated; use "
+                "rewrite.arguments.bind(fn, args, kwargs), which takes keyword arguments too",
+                DeprecationWarning, stacklevel=2)
+  call = arguments.bind(fn, tuple(args), {})
+  return call.leaves, call.paths
 
 
 def matches(selector: Selector, paths: tuple[str, ...], leaf) -> bool:

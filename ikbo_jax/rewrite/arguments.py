@@ -1,0 +1,87 @@
+"""A call's arguments as the rewrite sees them: bound to the function's signature, split into the
+arrays it traces and the constants it does not, each array named by its paths.
+
+The rewritten function is called as the original is: positional or keyword arguments,
+defaults filled in. It traces what `jax.jit` traces, JAX and NumPy arrays (tracers of an
+outer transformation included), and holds everything else as a constant of the trace:
+Python numbers and flags (`training=True`), strings, configuration objects. A Python value
+is known when the call is made, so a trace specialized to it computes what the original
+computes for it; under `jax.jit(rewrite(fn), static_argnames=...)` the values `jax.jit`
+keeps static arrive as such, and the others arrive as tracers and are traced. `static_argnums`
+and `static_argnames` hold an argument constant whatever it is (an array read by Python
+control flow, say), as `jax.jit`'s do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Collection, Sequence
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundCall:
+  """One call's arguments: the traced arrays, their paths, and how to rebuild the call.
+
+  Attributes:
+    leaves: the arrays the rewrite traces, in the order of the arguments' pytrees.
+    paths: per array, its paths by parameter position and by name (`selectors`).
+    call: `call(fn, leaves)` calls `fn` with these arguments, `leaves` in place of the
+      traced arrays (tracers, when tracing).
+  """
+
+  leaves: list
+  paths: list[tuple[str, ...]]
+  _treedef: jax.tree_util.PyTreeDef
+  _all_leaves: list
+  _traced: list[bool]
+
+  def call(self, fn: Callable, leaves: Sequence):
+    replaced, traced = [], iter(leaves)
+    for leaf, is_traced in zip(self._all_leaves, self._traced):
+      replaced.append(next(traced) if is_traced else leaf)
+    args, kwargs = jax.tree.unflatten(self._treedef, replaced)
+    return fn(*args, **kwargs)
+
+
+def bind(fn: Callable, args: tuple, kwargs: dict, static_argnums: Collection[int] = (),
+         static_argnames: Collection[str] = ()) -> BoundCall:
+  """`fn(*args, **kwargs)`'s arguments, bound to `fn`'s signature (a `TypeError` as Python's
+  if they do not fit it), defaults included."""
+  positional_names: list[str] = []
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):  # a callable without one: the arguments as given
+    signature = None
+  if signature is not None:
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    args, kwargs = bound.args, bound.kwargs
+    positional_names = [p.name for p in signature.parameters.values()
+                        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  flat, treedef = jax.tree_util.tree_flatten_with_path((tuple(args), dict(kwargs)))
+  leaves, paths, all_leaves, traced = [], [], [], []
+  for keys, leaf in flat:
+    heads = _heads(keys[0].idx, keys[1], positional_names)
+    is_static = (keys[0].idx == 0 and keys[1].idx in static_argnums
+                 or any(h in static_argnames for h in heads))
+    is_traced = not is_static and isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+    all_leaves.append(leaf)
+    traced.append(is_traced)
+    if is_traced:
+      rest = jax.tree_util.keystr(keys[2:], simple=True, separator=".")
+      paths.append(tuple(f"{h}.{rest}" if rest else h for h in heads))
+      leaves.append(leaf)
+  return BoundCall(leaves, paths, treedef, all_leaves, traced)
+
+
+def _heads(part: int, key, positional_names: list[str]) -> list[str]:
+  """An argument's names: its position and parameter name (positional), or its name."""
+  if part == 1:  # a keyword argument
+    return [key.key]
+  position = key.idx
+  return [str(position)] + ([positional_names[position]]
+                            if position < len(positional_names) else [])
