@@ -103,7 +103,9 @@ def rewrite(fn: Callable, *, mapping=None, users=None, candidates=None,
     and results, for every input (ids out of
     range included: each gather keeps its own out-of-range semantics). It
     composes with `jax.jit`, `jax.grad` (the backward runs through the IKBO
-    ops' own VJPs), `jax.vmap` and `nnx.split`/`nnx.merge`. Forward-mode
+    ops' own VJPs), `jax.vmap`, `nnx.split`/`nnx.merge` and `nnx.jit`; what the call
+    writes to NNX objects among the arguments (BatchNorm's statistics, an RNG stream's
+    count) is written back to them, as `nnx.jit` does. Forward-mode
     derivatives (`jax.jvp`) of a rewrite that emits IKBO ops raise a
     `TypeError` naming the op: take them of `fn` itself.
   """
@@ -152,7 +154,10 @@ def rewrite(fn: Callable, *, mapping=None, users=None, candidates=None,
                    for i, x in enumerate(leaves)]
     rewriter = Rewriter(report if report is not None else Report())
     outs = rewriter.eval_jaxpr(closed.jaxpr, closed.consts, interpreted)
-    return jax.tree.unflatten(jax.tree.structure(out_shape), [materialize(o) for o in outs])
+    out, states = jax.tree.unflatten(jax.tree.structure(out_shape),
+                                     [materialize(o) for o in outs])
+    call.update(states)
+    return out
 
   return rewritten
 

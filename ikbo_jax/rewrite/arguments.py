@@ -10,6 +10,11 @@ computes for it; under `jax.jit(rewrite(fn), static_argnames=...)` the values `j
 keeps static arrive as such, and the others arrive as tracers and are traced. `static_argnums`
 and `static_argnames` hold an argument constant whatever it is (an array read by Python
 control flow, say), as `jax.jit`'s do.
+
+Flax NNX objects among the arguments (modules, optimizers) are traced as their variables,
+and what the call writes to them (BatchNorm's running statistics, an RNG stream's count)
+is written back to the caller's objects afterwards, as `nnx.jit` does: otherwise every
+step of a training loop would reuse one dropout mask and never update its statistics.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import Callable, Collection, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,22 +35,36 @@ class BoundCall:
   Attributes:
     leaves: the arrays the rewrite traces, in the order of the arguments' pytrees.
     paths: per array, its paths by parameter position and by name (`selectors`).
-    call: `call(fn, leaves)` calls `fn` with these arguments, `leaves` in place of the
-      traced arrays (tracers, when tracing).
   """
 
   leaves: list
   paths: list[tuple[str, ...]]
+  _arguments: tuple  # (args, kwargs) as bound
   _treedef: jax.tree_util.PyTreeDef
   _all_leaves: list
   _traced: list[bool]
 
-  def call(self, fn: Callable, leaves: Sequence):
+  def call(self, fn: Callable, leaves: Sequence) -> tuple:
+    """`fn` called with these arguments, `leaves` in place of the traced arrays (tracers,
+    when tracing): its result, and the state of each NNX object among the arguments after
+    the call (`update` writes those back)."""
     replaced, traced = [], iter(leaves)
     for leaf, is_traced in zip(self._all_leaves, self._traced):
       replaced.append(next(traced) if is_traced else leaf)
     args, kwargs = jax.tree.unflatten(self._treedef, replaced)
-    return fn(*args, **kwargs)
+    out = fn(*args, **kwargs)
+    return out, [nnx.state(o) for o in _nnx_objects((args, kwargs))]
+
+  def update(self, states: Sequence) -> None:
+    """Writes `states` (`call`'s, evaluated) into the caller's NNX objects."""
+    for obj, state in zip(_nnx_objects(self._arguments), states, strict=True):
+      nnx.update(obj, state)
+
+
+def _nnx_objects(tree) -> list:
+  """The NNX objects (modules, optimizers) in `tree`, outermost ones, in pytree order."""
+  is_nnx = lambda x: isinstance(x, nnx.Pytree)
+  return [x for x in jax.tree.leaves(tree, is_leaf=is_nnx) if is_nnx(x)]
 
 
 def bind(fn: Callable, args: tuple, kwargs: dict, static_argnums: Collection[int] = (),
@@ -75,7 +95,7 @@ def bind(fn: Callable, args: tuple, kwargs: dict, static_argnums: Collection[int
       rest = jax.tree_util.keystr(keys[2:], simple=True, separator=".")
       paths.append(tuple(f"{h}.{rest}" if rest else h for h in heads))
       leaves.append(leaf)
-  return BoundCall(leaves, paths, treedef, all_leaves, traced)
+  return BoundCall(leaves, paths, (tuple(args), dict(kwargs)), treedef, all_leaves, traced)
 
 
 def _heads(part: int, key, positional_names: list[str]) -> list[str]:
