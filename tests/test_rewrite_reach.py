@@ -157,3 +157,31 @@ def test_vmap_of_dynamic_index_in_dim_is_a_broadcast(keepdims):
           _normal(2, 8, 5))
   report = check_rewrite(model, args, mapping=1, users=0)
   assert report.count("broadcast") == 1 and _materialized_at(report) == ["mul"], str(report)
+
+
+@pytest.mark.parametrize("fn", ["softmax", "log_softmax", "logsumexp", "stop_gradient"])
+def test_the_softmax_family_of_user_rows_runs_at_users(fn):
+  """MMoE's per-user gates: `jax.nn.softmax` and its kin call `stop_gradient` on the row
+  maximum; it is row-wise (the identity forward, a zero tangent) and runs at U as well."""
+  apply = {"softmax": jax.nn.softmax, "log_softmax": jax.nn.log_softmax,
+           "logsumexp": lambda x: jax.nn.logsumexp(x, axis=-1, keepdims=True),
+           "stop_gradient": lambda x: jax.lax.stop_gradient(x) * x}[fn]
+
+  def model(user, ids, cand, w_gate, experts):
+    gates = apply(user[ids] @ w_gate)  # [B, E]: one gate vector per user, broadcast
+    return jnp.einsum("be,bf,efk->bk", gates, cand, experts)
+  args = (_normal(0, U, 8), IDS, _normal(1, B, 5), _normal(2, 8, 4), _normal(3, 4, 5, 3))
+  report = check_rewrite(model, args, mapping=1, users=0)
+  assert report.count("at_users") >= 1 and "stop_gradient" not in _materialized_at(report), (
+      str(report))
+  assert _materialized_at(report) in ([], ["dot_general"], ["mul"]), str(report)
+
+
+def test_film_parameters_split_from_user_rows_stay_at_users():
+  """FiLM: one user projection split into a scale and a shift with `jnp.split`."""
+  def model(user, ids, cand, w_film):
+    scale, shift = jnp.split(user[ids] @ w_film, 2, axis=1)
+    return jax.nn.relu(cand * (1 + scale) + shift)
+  args = (_normal(0, U, 8), IDS, _normal(1, B, 5), _normal(2, 8, 10))
+  report = check_rewrite(model, args, mapping=1, users=0)
+  assert report.count("at_users") >= 2 and "split" not in _materialized_at(report), str(report)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.lax.lax import stack_p  # not among jax.extend's primitives
+from jax._src.lax.lax import split_p, stack_p  # not among jax.extend's primitives
 from jax.extend.core import primitives as P
 
 from ikbo_jax.rewrite import read_rows
@@ -31,7 +31,10 @@ ELEMENTWISE = (
     P.log1p_p, P.logistic_p, P.lt_p, P.max_p, P.min_p, P.mul_p, P.ne_p, P.neg_p, P.nextafter_p,
     P.not_p, P.or_p, P.pow_p, P.real_p, P.reduce_precision_p, P.rem_p, P.round_p, P.rsqrt_p,
     P.select_n_p, P.sign_p, P.sin_p, P.sinh_p, P.sqrt_p, P.square_p, P.sub_p, P.tan_p,
-    P.tanh_p, P.xor_p, P.copy_p)
+    P.tanh_p, P.xor_p, P.copy_p,
+    # The identity with a zero tangent, row by row: `jax.nn.softmax`, `log_softmax` and
+    # `logsumexp` apply it to the row maximum they subtract.
+    P.stop_gradient_p)
 REDUCTIONS = (P.reduce_sum_p, P.reduce_max_p, P.reduce_min_p, P.reduce_prod_p, P.reduce_and_p,
               P.reduce_or_p, P.argmax_p, P.argmin_p)
 CUMULATIVE = (P.cumsum_p, P.cumprod_p, P.cummax_p, P.cummin_p, P.cumlogsumexp_p)
@@ -238,6 +241,19 @@ def along_features(rw, eqn, operands):
   return [v.like(out)]
 
 
+def split(rw, eqn, operands):
+  """`split` along a feature axis (`jnp.split` of FiLM parameters): each part is the user
+  rows' part, at U."""
+  (v,) = operands
+  if not isinstance(v, Broadcast):
+    return None
+  if eqn.params["axis"] == v.axis:
+    raise Decline("it splits the candidate axis")
+  outs = eqn.primitive.bind(v.user, **eqn.params)
+  rw.moved(eqn, outs[0], v)
+  return [v.like(out) for out in outs]
+
+
 def reduction(rw, eqn, operands):
   v = operands[0]
   if not isinstance(v, Broadcast) or len(operands) != 1:
@@ -327,4 +343,4 @@ RULES.update({p: cumulative for p in CUMULATIVE})
 RULES.update({P.broadcast_in_dim_p: broadcast_in_dim, P.reshape_p: reshape, P.iota_p: iota,
               P.squeeze_p: squeeze, P.transpose_p: transpose, P.concatenate_p: concatenate,
               P.slice_p: along_features, P.pad_p: along_features, P.rev_p: along_features,
-              stack_p: stack, P.name_p: checkpoint_name})
+              split_p: split, stack_p: stack, P.name_p: checkpoint_name})

@@ -68,11 +68,21 @@ def clip_gradient(x):
 
 clip_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.1, 0.1),))
 
+def _film(x):
+  """FiLM on a value's own halves: `jnp.split` into a scale and a shift, each of F / 2."""
+  scale, shift = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([scale * shift, shift + scale], axis=-1)
+
+
 UNARY = {
     "relu": jax.nn.relu, "gelu": jax.nn.gelu, "tanh": jnp.tanh, "sigmoid": jax.nn.sigmoid,
     "abs": jnp.abs, "square": jnp.square, "straight_through": straight_through,
     "clip_gradient": clip_gradient, "batch_scaled": batch_scaled, "silu": jax.nn.silu,
     "softmax": lambda x: jax.nn.softmax(x, axis=-1),
+    "log_softmax": lambda x: jax.nn.log_softmax(x, axis=-1),
+    "logsumexp": lambda x: jax.nn.logsumexp(x, axis=-1, keepdims=True) - x,
+    "stop_gradient": lambda x: jax.lax.stop_gradient(x) * x,
+    "film": _film,
     "log_abs": lambda x: jnp.log(jnp.abs(x)),
     "l2norm": lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True),
 }
