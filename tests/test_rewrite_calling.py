@@ -194,3 +194,20 @@ def test_a_training_loop_over_nnx_modules_matches_the_original_step_for_step():
     np.testing.assert_allclose(np.asarray(jax.random.key_data(got) if jnp.issubdtype(
         got.dtype, jax.dtypes.prng_key) else got), np.asarray(jax.random.key_data(want) if
         jnp.issubdtype(want.dtype, jax.dtypes.prng_key) else want), rtol=1e-5, atol=1e-6)
+
+
+def test_python_values_of_nnx_objects_come_back_as_python_values():
+  class Counted(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.ones((8, 2)))
+      self.calls = nnx.Variable(0)
+
+    def __call__(self, user, ids):
+      self.calls.set_value(self.calls.get_value() + 1)
+      return user[ids] @ self.w
+
+  module = Counted()
+  fast = rewrite.rewrite(lambda m, user, ids: m(user, ids), mapping="ids", users="user")
+  out = fast(module, ARGS["user"], IDS)
+  np.testing.assert_allclose(out, ARGS["user"][IDS] @ jnp.ones((8, 2)), rtol=1e-6)
+  assert type(module.calls.get_value()) is int and module.calls.get_value() == 1

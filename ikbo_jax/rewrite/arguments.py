@@ -43,28 +43,39 @@ class BoundCall:
   _treedef: jax.tree_util.PyTreeDef
   _all_leaves: list
   _traced: list[bool]
+  _python_states: list = dataclasses.field(default_factory=list)  # set by `call`
 
   def call(self, fn: Callable, leaves: Sequence) -> tuple:
     """`fn` called with these arguments, `leaves` in place of the traced arrays (tracers,
-    when tracing): its result, and the state of each NNX object among the arguments after
-    the call (`update` writes those back)."""
+    when tracing): its result, and the arrays of each NNX object among the arguments after
+    the call. Their other values (a Python count, say) are kept aside; `update` writes
+    both back."""
     replaced, traced = [], iter(leaves)
     for leaf, is_traced in zip(self._all_leaves, self._traced):
       replaced.append(next(traced) if is_traced else leaf)
     args, kwargs = jax.tree.unflatten(self._treedef, replaced)
     out = fn(*args, **kwargs)
-    return out, [nnx.state(o) for o in _nnx_objects((args, kwargs))]
+    objects = _nnx_objects((args, kwargs))
+    self._python_states[:] = [nnx.state(o, lambda _, v: not _holds_array(v)) for o in objects]
+    return out, [nnx.state(o, lambda _, v: _holds_array(v)) for o in objects]
 
   def update(self, states: Sequence) -> None:
-    """Writes `states` (`call`'s, evaluated) into the caller's NNX objects."""
-    for obj, state in zip(_nnx_objects(self._arguments), states, strict=True):
-      nnx.update(obj, state)
+    """Writes `states` (`call`'s, evaluated) and the values kept aside into the caller's
+    NNX objects."""
+    for obj, arrays, values in zip(_nnx_objects(self._arguments), states,
+                                   self._python_states, strict=True):
+      nnx.update(obj, arrays)
+      nnx.update(obj, values)
 
 
 def _nnx_objects(tree) -> list:
   """The NNX objects (modules, optimizers) in `tree`, outermost ones, in pytree order."""
   is_nnx = lambda x: isinstance(x, nnx.Pytree)
   return [x for x in jax.tree.leaves(tree, is_leaf=is_nnx) if is_nnx(x)]
+
+
+def _holds_array(variable: nnx.Variable) -> bool:
+  return isinstance(variable.get_value(), jax.Array)
 
 
 def bind(fn: Callable, args: tuple, kwargs: dict, static_argnums: Collection[int] = (),
