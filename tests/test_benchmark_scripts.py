@@ -42,6 +42,8 @@ def test_small_results_are_complete(small_run):
   name, out = small_run
   result = json.loads(out.read_text())
   assert result["date"] and result["commit"] and result["jax_version"]
+  host = result["host"]  # which machine: the serving numbers are its as much as the device's
+  assert host["cpus"] >= 1 and host["kernel"] and host["socket_round_trip_us"] > 0
   if name == "target_attention":
     row = result["sweep"]["32"]["xla_materialized"]
     assert row["ms"] > 0 and 0 < row["roofline_fraction"] and row["tbps"] > 0
