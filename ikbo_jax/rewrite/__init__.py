@@ -43,7 +43,7 @@ import numpy as np
 from ikbo_jax.rewrite.interpreter import Rewriter
 from ikbo_jax.ops.marked_attention import attention, flax_attention_fn
 from ikbo_jax.rewrite.report import Change, Report
-from ikbo_jax.rewrite.arguments import bind
+from ikbo_jax.rewrite.arguments import bind, signature_of
 from ikbo_jax.rewrite.selectors import as_selectors, describe, select
 from ikbo_jax.rewrite.values import Plain, materialize
 
@@ -123,10 +123,11 @@ def rewrite(fn: Callable, *, mapping=None, users=None, candidates=None,
 
   static_argnums, static_argnames = _static("static_argnums", static_argnums, int), _static(
       "static_argnames", static_argnames, str)
+  signature = signature_of(fn)  # once, not at every call
 
   @functools.wraps(fn)
   def rewritten(*args, **kwargs):
-    call = bind(fn, args, kwargs, static_argnums, static_argnames)
+    call = bind(signature, args, kwargs, static_argnums, static_argnames)
     leaves, paths = call.leaves, call.paths
     is_mapping = select(mapping_selectors, paths, leaves)
     hits = [i for i, hit in enumerate(is_mapping) if hit]
@@ -187,10 +188,11 @@ def explain(fn: Callable, *args, mapping=None, users=None, candidates=None,
   """
   selectors = _renamed("explain", dict(mapping=mapping, users=users, candidates=candidates),
                        renamed)
-  static = dict(static_argnums=static_argnums, static_argnames=static_argnames)
+  static_argnums = _static("static_argnums", static_argnums, int)
+  static_argnames = _static("static_argnames", static_argnames, str)
   report = Report()
-  fast = rewrite(fn, **selectors, **static, report=report)
-  call = bind(fn, args, kwargs or {}, _static("static_argnums", static_argnums, int),
-              _static("static_argnames", static_argnames, str))
+  fast = rewrite(fn, **selectors, static_argnums=static_argnums,
+                 static_argnames=static_argnames, report=report)
+  call = bind(signature_of(fn), args, kwargs or {}, static_argnums, static_argnames)
   jax.make_jaxpr(lambda *traced: call.call(fast, traced))(*call.leaves)
   return report

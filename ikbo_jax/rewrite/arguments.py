@@ -78,15 +78,20 @@ def _holds_array(variable: nnx.Variable) -> bool:
   return isinstance(variable.get_value(), jax.Array)
 
 
-def bind(fn: Callable, args: tuple, kwargs: dict, static_argnums: Collection[int] = (),
-         static_argnames: Collection[str] = ()) -> BoundCall:
-  """`fn(*args, **kwargs)`'s arguments, bound to `fn`'s signature (a `TypeError` as Python's
-  if they do not fit it), defaults included."""
-  positional_names: list[str] = []
+def signature_of(fn: Callable) -> inspect.Signature | None:
+  """`fn`'s signature, or None for a callable without one (its arguments are taken as given)."""
   try:
-    signature = inspect.signature(fn)
-  except (TypeError, ValueError):  # a callable without one: the arguments as given
-    signature = None
+    return inspect.signature(fn)
+  except (TypeError, ValueError):
+    return None
+
+
+def bind(signature: inspect.Signature | None, args: tuple, kwargs: dict,
+         static_argnums: Collection[int] = (), static_argnames: Collection[str] = ()
+         ) -> BoundCall:
+  """A call's arguments, bound to the function's `signature` (`signature_of`; a `TypeError`
+  as Python's if they do not fit it), defaults included."""
+  positional_names: list[str] = []
   if signature is not None:
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()

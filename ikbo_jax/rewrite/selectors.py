@@ -25,12 +25,13 @@ Selector = int | str | Callable
 
 
 def leaf_paths(fn: Callable, args: tuple) -> tuple[list, list[tuple[str, ...]]]:
-  """Deprecated: `arguments.bind(fn, args, {})`'s `leaves` and `paths` (the arrays the
-  rewrite traces, and their paths by parameter position and name)."""
+  """Deprecated: `arguments.bind(arguments.signature_of(fn), args, {})`'s `leaves` and
+  `paths` (the arrays the rewrite traces, and their paths by parameter position and name)."""
   warnings.warn("rewrite.selectors.leaf_paths is deprecated; use "
-                "rewrite.arguments.bind(fn, args, kwargs), which takes keyword arguments too",
+                "rewrite.arguments.bind(signature_of(fn), args, kwargs), which takes keyword "
+                "arguments too",
                 DeprecationWarning, stacklevel=2)
-  call = arguments.bind(fn, tuple(args), {})
+  call = arguments.bind(arguments.signature_of(fn), tuple(args), {})
   return call.leaves, call.paths
 
 
