@@ -57,16 +57,25 @@ class ServingMetrics:
     self.refused = prom.Counter("ikbo_refused", "requests answered without computing them",
                                 ("reason",), registry=r)
 
-    self._latency: dict[tuple[str, int], prom.Histogram] = {}
+    self._children: dict[tuple, object] = {}
     self._watched: list[prom.registry.Collector] = []
 
   def observe_request(self, route: str, status: int, seconds: float) -> None:
-    """One answered request's latency. Each (route, status)'s child is looked up once: on
-    the hot path `labels` cost as much as the observation."""
-    child = self._latency.get((route, status))
+    """One answered request's latency."""
+    self._child(self.request_seconds, route, str(status)).observe(seconds)
+
+  def count_refusal(self, reason: str) -> None:
+    """One request answered without computing it, for `reason`."""
+    self._child(self.refused, reason).inc()
+
+  def _child(self, metric, *labels: str):
+    """`metric.labels(*labels)`, looked up once per label set: on the hot path (every answer,
+    every refusal under overload) `labels` cost as much as the observation."""
+    key = (id(metric), labels)
+    child = self._children.get(key)
     if child is None:
-      child = self._latency[route, status] = self.request_seconds.labels(route, str(status))
-    child.observe(seconds)
+      child = self._children[key] = metric.labels(*labels)
+    return child
 
   def watch_queue(self, requests: Callable[[], int], candidates: Callable[[], int]) -> None:
     """Reads the queue depths from the batcher at each scrape."""

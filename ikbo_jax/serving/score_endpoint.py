@@ -101,7 +101,7 @@ class ScoreEndpoint:
       if refusal.status in (429, 499, 503):
         reason = refusal.reason or {429: "overloaded", 499: "client_closed"}.get(
             refusal.status, "deadline" if state.batcher else "not_ready")
-        metrics.refused.labels(reason).inc()
+        metrics.count_refusal(reason)
       if refusal.retry:
         headers.append((b"retry-after", str(limits.retry_after_s).encode()))
       status, content = refusal.status, {"error": str(refusal)}
