@@ -21,6 +21,7 @@
 # HTTP with 1..8 HTTP processes feeding one model process), "http_replicas" (the same with
 # N one-process servers holding a model each: the alternative front),
 # "two_level" (benchmarks/two_level.py, then the two-level sweep cases),
+# "profile" (every kernel of the ranker's inference and training step against its floor),
 # "ranker_groups" (the ranker with a group level, IKBO vs standard build: inference and training),
 # "rewrite" (original vs rewritten vs hand-written IKBO code), "fuzz" (the rewrite's property test
 # on the host's CPUs), "rewrite_tests" (the rewrite's tests on the GPU),
@@ -253,6 +254,17 @@ if has two_level; then
     python3 -m pytest -q -s -p no:cacheprovider -m gpu --tb=line tests/test_gpu_sweep.py \
     tests/test_two_level.py tests/test_two_level_attention.py -k two_level 2>&1 \
     | tee "$OUT/two_level_tests.log" | grep -E "FAIL |^FAILED|passed|failed" | cut -c1-400
+fi
+if has profile; then
+  # Every kernel of the ranker's inference and training step with its part, phase, kind and
+  # floor (command buffers off: a CUDA graph's kernels lose the instruction that names them),
+  # then both timed as they run by default, for the whole.
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=" JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache_cb_off \
+    timeout "${PROFILE_TIMEOUT:-240}" python3 -m benchmarks.ranker_profile ${PROFILE_ARGS:-} \
+    --out "$OUT/ranker_profile_${TAG}.json" 2>&1 | grep -v Warning | cut -c1-300 | tail -n 32
+  timeout 200 python3 -m benchmarks.ranking_system --parts inference training --sizes 1024 \
+    --ratios 70 --out "$OUT/ranking_system_profiled_${TAG}.json" 2>&1 | grep -v Warning \
+    | cut -c1-400 | tail -n 3
 fi
 if has ranker_groups; then
   timeout "${GROUPS_TIMEOUT:-300}" python3 -m benchmarks.ranking_system --parts inference training \

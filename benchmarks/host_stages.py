@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import time
 
-import numpy as np
 import uvloop
 
 from benchmarks import common

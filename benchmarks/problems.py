@@ -7,11 +7,13 @@ import argparse
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from benchmarks import common, shapes
 from ikbo_jax import CandidateIndex
 from ikbo_jax._padding import pad_to_multiple
 from ikbo_jax.models import RankerConfig, RankingBatch
+from ikbo_jax.training import trainer
 
 
 def linear_compression_problem(num_candidates, num_users, m, n, k_user, k_cand, dtype, seed=0):
@@ -97,3 +99,16 @@ def attention_sweep_setup(small: bool):
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
   shape = shapes.ATTENTION_SMALL if small else shapes.ATTENTION
   return on_gpu, dtype, shape, common.measure_ceilings()
+
+
+def functional_step(graphdef, build):
+  """The trainer's step as a function of the state that returns the updated state.
+
+  The timer jits what it measures; a step that returned only its loss would let
+  XLA drop the backward pass and the update, whose results nothing would read.
+  """
+  def step(state, batch):
+    model, optimizer = nnx.merge(graphdef, state)
+    loss = trainer._train_step(model, optimizer, batch, build)
+    return loss, nnx.state((model, optimizer))
+  return step

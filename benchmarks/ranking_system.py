@@ -45,7 +45,7 @@ from flax import nnx
 
 from benchmarks import common
 from benchmarks.checkpoint_cost import checkpoint_cost
-from benchmarks.problems import ranking_batch
+from benchmarks.problems import functional_step, ranking_batch
 from benchmarks.serving_load import (BUILDS, Ladder, cache_serving, overload,
                                      reference_scores, serving, split_device_time)
 from ikbo_jax.data.synthetic import ClickGenerator
@@ -53,7 +53,6 @@ from ikbo_jax.data.trace import serving_trace
 from ikbo_jax.models import Ranker, RankerConfig
 from ikbo_jax.models.config import PRESETS
 from ikbo_jax.serving import bodies
-from ikbo_jax.training import trainer
 
 
 def _forward(build):
@@ -82,19 +81,6 @@ def inference(model, config, sizes, ratios, iterations, items_per_group=8) -> di
   return rows
 
 
-def _functional_step(graphdef, build):
-  """The trainer's step as a function of the state that returns the updated state.
-
-  The timer jits what it measures; a step that returned only its loss would let
-  XLA drop the backward pass and the update, whose results nothing would read.
-  """
-  def step(state, batch):
-    model, optimizer = nnx.merge(graphdef, state)
-    loss = trainer._train_step(model, optimizer, batch, build)
-    return loss, nnx.state((model, optimizer))
-  return step
-
-
 def training(config, b, ratio, iterations, items_per_group=8) -> dict:
   batch = jax.device_put(ranking_batch(config, max(1, round(b / ratio)), b, seed=1,
                                        items_per_group=items_per_group))
@@ -105,7 +91,7 @@ def training(config, b, ratio, iterations, items_per_group=8) -> dict:
     model = Ranker(config, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
-    step = _functional_step(graphdef, build)
+    step = functional_step(graphdef, build)
     ms, timer = common.median_ms(step, state, batch, iterations=iterations)
     row[build] = dict(ms=ms, timer=timer)
   row["speedup"] = row["standard"]["ms"] / row["ikbo"]["ms"]

@@ -35,6 +35,7 @@ PRODUCERS = {
     "gpu_gate": "benchmarks/gpu_run.sh steps and probes of one device session (summarized by hand)",
     "attention_profile": "the attention profiler (removed; git history at 96ba4de)",
     "ranking_system": "benchmarks/ranking_system.py",
+    "ranker_profile": "benchmarks/ranker_profile.py",
     "ranking_groups": "benchmarks/ranking_system.py --items-per-group (gpu_run.sh ranker_groups)",
     "two_level": "benchmarks/two_level.py",
     "two_level_g128": "benchmarks/two_level.py (from its log: the run was cut before writing)",

@@ -9,6 +9,11 @@ first and every layer runs at batch B, on plain Flax layers and
 by which `ikbo_jax.rewrite` can turn this build into the IKBO one). Both read the same parameters, so they give
 the same scores and the same gradients; only the cost differs.
 
+Each part runs under a named scope (`user_embeddings`, `candidate_embeddings`,
+`group_embeddings`, `sequence`, `pooling`, `linear_compression`, `tower`) that
+XLA keeps in its instructions' `op_name`: a profile says which part a kernel
+serves, in either build and in the backward pass (`transpose(jvp(tower))`).
+
 The model: item-id embeddings for the behaviour history and the candidates,
 projected dense features on both sides, self-attention over the history
 whose keys and values the candidates' query tokens also attend to
@@ -110,15 +115,21 @@ class Ranker(nnx.Module):
     index = batch.index()
     seq, user_tokens = self._user_embeddings(batch.history, batch.user_dense)  # batch U
     item, cand_tokens, queries = self._candidate_embeddings(batch.cand_items, batch.cand_dense)
-    new_seq, cand_repr = self.sequence(seq, queries, index, kv_len=batch.history_len)
+    with jax.named_scope("sequence"):
+      new_seq, cand_repr = self.sequence(seq, queries, index, kv_len=batch.history_len)
     pooled = _masked_mean(seq + new_seq, batch.history_len)
-    e_user = jnp.concatenate([user_tokens, pooled[:, None]], axis=1)
-    e_cand = jnp.concatenate([item[:, None], cand_tokens, cand_repr], axis=1)
+    e_group = None
     if self.config.has_groups:
       _require_groups(batch)
       e_group = self._group_embeddings(batch.group_dense)  # batch G
-      return self._logits(self.compress(e_user, e_group, e_cand, batch.two_level_index()))
-    return self._logits(self.compress(e_user, e_cand, index))
+    with jax.named_scope("linear_compression"):  # the stacks' copies are this part's cost
+      e_user = jnp.concatenate([user_tokens, pooled[:, None]], axis=1)
+      e_cand = jnp.concatenate([item[:, None], cand_tokens, cand_repr], axis=1)
+      if e_group is None:
+        compressed = self.compress(e_user, e_cand, index)
+      else:
+        compressed = self.compress(e_user, e_group, e_cand, batch.two_level_index())
+    return self._logits(compressed)
 
   def user_state(self, history: jax.Array, user_dense: jax.Array,
                  history_len: jax.Array) -> UserState:
@@ -146,10 +157,13 @@ class Ranker(nnx.Module):
     _no_group_level(self.config, "score_candidates")
     item, cand_tokens, queries = self._candidate_embeddings(cand_items, cand_dense)
     block = self.sequence
-    attended = target_attention(block.cand_query(queries), state.keys, state.values, index,
-                                kv_len=state.history_len)
-    e_cand = jnp.concatenate([item[:, None], cand_tokens, block.cand_out(attended)], axis=1)
-    return self._logits(self.compress(state.e_user, e_cand, index))
+    with jax.named_scope("sequence"):
+      attended = block.cand_out(target_attention(block.cand_query(queries), state.keys,
+                                                 state.values, index, kv_len=state.history_len))
+    with jax.named_scope("linear_compression"):
+      e_cand = jnp.concatenate([item[:, None], cand_tokens, attended], axis=1)
+      compressed = self.compress(state.e_user, e_cand, index)
+    return self._logits(compressed)
 
   def standard(self, batch: RankingBatch) -> jax.Array:
     """The standard build: user inputs copied to the candidate batch, then every layer at B."""
@@ -160,8 +174,9 @@ class Ranker(nnx.Module):
     item, cand_tokens, queries = self._candidate_embeddings(batch.cand_items, batch.cand_dense)
     k, v, pooled = self._self_attended(seq, history_len)
     block = self.sequence
-    cand_repr = block.cand_out(_attention(block.cand_query(queries), k, v, history_len,
-                                          causal=False))
+    with jax.named_scope("sequence"):
+      cand_repr = block.cand_out(_attention(block.cand_query(queries), k, v, history_len,
+                                            causal=False))
     group_tokens, weights = [], [self.compress.w_user[...]]
     if self.config.has_groups:
       _require_groups(batch)
@@ -170,12 +185,15 @@ class Ranker(nnx.Module):
       weights += [self.compress.w_group[...], self.compress.w_item[...]]
     else:
       weights.append(self.compress.w_cand[...])
-    stack = jnp.concatenate([user_tokens, pooled[:, None], *group_tokens, item[:, None],
-                             cand_tokens, cand_repr], axis=1)
     # `nnx.Linear(K_user [+ K_group] + K_cand -> M)` over the stacking axis, one joint weight.
-    weight = jnp.concatenate(weights, axis=1)
-    return self._logits(jnp.einsum("mk,bkn->bmn", weight.astype(stack.dtype), stack))
+    with jax.named_scope("linear_compression"):
+      stack = jnp.concatenate([user_tokens, pooled[:, None], *group_tokens, item[:, None],
+                               cand_tokens, cand_repr], axis=1)
+      weight = jnp.concatenate(weights, axis=1)
+      compressed = jnp.einsum("mk,bkn->bmn", weight.astype(stack.dtype), stack)
+    return self._logits(compressed)
 
+  @jax.named_scope("sequence")
   def _self_attended(self, seq, history_len):
     """The history's self-attention on its own: its keys, values and the pooled sequence."""
     block = self.sequence
@@ -184,15 +202,18 @@ class Ranker(nnx.Module):
                                         causal=self.config.causal))
     return k, v, _masked_mean(seq + new_seq, history_len)
 
+  @jax.named_scope("user_embeddings")
   def _user_embeddings(self, history, user_dense):
     c = self.config
     tokens = self.user_dense(user_dense).reshape(-1, c.user_dense_tokens, c.embed_dim)
     return self.items(history), tokens
 
+  @jax.named_scope("group_embeddings")
   def _group_embeddings(self, group_dense):
     c = self.config
     return self.group_dense(group_dense).reshape(-1, c.group_dense_tokens, c.embed_dim)
 
+  @jax.named_scope("candidate_embeddings")
   def _candidate_embeddings(self, cand_items, cand_dense):
     c = self.config
     item = self.items(cand_items)
@@ -200,6 +221,7 @@ class Ranker(nnx.Module):
     queries = self.queries(item).reshape(-1, c.query_tokens, c.embed_dim)
     return item, tokens, queries
 
+  @jax.named_scope("tower")
   def _logits(self, compressed: jax.Array) -> jax.Array:
     return self.tower(compressed.reshape(compressed.shape[0], -1))[:, 0].astype(jnp.float32)
 
@@ -218,6 +240,7 @@ def _no_group_level(config: RankerConfig, method: str) -> None:
                      "Ranker.__call__")
 
 
+@jax.named_scope("pooling")
 def _masked_mean(x: jax.Array, length: jax.Array) -> jax.Array:
   """`x [N, S, D]` averaged over positions `< length[n]` (zeros where `length == 0`)."""
   valid = jnp.arange(x.shape[1])[None, :] < length[:, None]

@@ -22,6 +22,7 @@ def masked_loss(logits: jax.Array, batch: RankingBatch) -> jax.Array:
   return total / jnp.maximum(count, 1)
 
 
+@jax.named_scope("loss")
 def masked_loss_terms(logits: jax.Array, batch: RankingBatch) -> tuple[jax.Array, jax.Array]:
   """The summed binary cross-entropy over the real candidates of `batch`, and their count."""
   mask = batch.candidate_mask()

@@ -87,9 +87,11 @@ _ALWAYS_SKIP = 2**31 - 1
 def _train_step(model: Ranker, optimizer: nnx.Optimizer, batch: RankingBatch, build: Build):
   """`(loss, finite)`: the update is applied only where the loss and gradients are finite."""
   loss, grads = nnx.value_and_grad(lambda m: masked_loss(scores(m, batch, build), batch))(model)
-  optimizer.update(model, grads)
-  finite = jnp.isfinite(loss) & jax.tree.reduce(
-      lambda ok, g: ok & jnp.all(jnp.isfinite(g)), grads, jnp.bool_(True))
+  with jax.named_scope("optimizer"):
+    optimizer.update(model, grads)
+  with jax.named_scope("finite_check"):
+    finite = jnp.isfinite(loss) & jax.tree.reduce(
+        lambda ok, g: ok & jnp.all(jnp.isfinite(g)), grads, jnp.bool_(True))
   return loss, finite
 
 
