@@ -261,7 +261,7 @@ if has profile; then
   # then both timed as they run by default, for the whole.
   XLA_FLAGS="--xla_gpu_enable_command_buffer=" JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache_cb_off \
     timeout "${PROFILE_TIMEOUT:-240}" python3 -m benchmarks.ranker_profile ${PROFILE_ARGS:-} \
-    --out "$OUT/ranker_profile_${TAG}.json" 2>&1 | grep -v Warning | cut -c1-300 | tail -n 32
+    --hlo-dir "$OUT" --out "$OUT/ranker_profile_${TAG}.json" 2>&1 | grep -v Warning | cut -c1-300 | tail -n 32
   timeout 200 python3 -m benchmarks.ranking_system --parts inference training --sizes 1024 \
     --ratios 70 --out "$OUT/ranking_system_profiled_${TAG}.json" 2>&1 | grep -v Warning \
     | cut -c1-400 | tail -n 3

@@ -112,12 +112,13 @@ def parse(hlo_text: str) -> dict[str, Instruction]:
       current.append(name)
       if line.lstrip().startswith("ROOT "):
         roots[computation] = name
-  result_bytes = {name: _nbytes(p.result) for name, p in parsed.items()}
+  # A GEMM custom call's result is `(product, workspace)`: the workspace is scratch, not traffic.
+  result_bytes = {name: _nbytes(p.result[:1] if _is_gemm(p) else p.result)
+                  for name, p in parsed.items()}
 
   def flops(name: str, seen: frozenset = frozenset()) -> float:
     p = parsed[name]
-    target = _CUSTOM_TARGET.search(p.attributes)
-    if p.opcode == "dot" or target and re.search("gemm|matmul", target.group(1)):
+    if p.opcode == "dot" or _is_gemm(p):
       return _dot_flops(p, parsed)
     return sum(flops(inner, seen | {called}) for called in p.calls if called not in seen
                for inner in computations.get(called, ()))
@@ -145,6 +146,11 @@ def parse(hlo_text: str) -> dict[str, Instruction]:
         flops=flops(name), target=target.group(1) if target else "",
         fusion_kind=kind.group(1) if kind else "")
   return instructions
+
+
+def _is_gemm(p: _Parsed) -> bool:
+  target = _CUSTOM_TARGET.search(p.attributes)
+  return bool(p.opcode == "custom-call" and target and re.search("gemm|matmul", target.group(1)))
 
 
 def _dot_flops(p: _Parsed, parsed: dict[str, _Parsed]) -> float:

@@ -12,7 +12,9 @@ from flax import nnx
 from benchmarks import common, shapes
 from ikbo_jax import CandidateIndex
 from ikbo_jax._padding import pad_to_multiple
-from ikbo_jax.models import RankerConfig, RankingBatch
+from ikbo_jax.models import Ranker, RankerConfig, RankingBatch
+from ikbo_jax.models.scoring import scores
+from ikbo_jax.serving.precast import jit_hoisted
 from ikbo_jax.training import trainer
 
 
@@ -112,3 +114,14 @@ def functional_step(graphdef, build):
     loss = trainer._train_step(model, optimizer, batch, build)
     return loss, nnx.state((model, optimizer))
   return step
+
+
+def served_forward(model: Ranker, batch: RankingBatch, build: str = "ikbo"):
+  """`(jitted, leaves)`: the forward as the server runs it, `jitted(leaves, batch)`.
+
+  The parameters a program only reads cast are cast once, ahead of the calls
+  (`ikbo_jax.serving.precast`), as the serving buckets hold them.
+  """
+  graphdef, state = nnx.split(model)
+  return jit_hoisted(lambda state, batch: scores(nnx.merge(graphdef, state), batch, build),
+                     state, batch)

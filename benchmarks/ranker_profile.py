@@ -3,8 +3,9 @@
     python -m benchmarks.ranker_profile --out benchmarks/results/ranker_profile_h100.json
     python -m benchmarks.ranker_profile --small --out /tmp/profile.json   # CPU: XLA's thunks
 
-The IKBO build's jitted forward and its training step (forward, backward,
-AdamW, as `benchmarks.ranking_system` times them) run `--iterations` times
+The IKBO build's jitted forward as served (parameters cast once, ahead of the
+calls) and its training step (forward, backward, AdamW, as
+`benchmarks.ranking_system` times them) run `--iterations` times
 under the JAX profiler at B candidates, ratio R. Each kernel of the trace is
 matched to the HLO instruction behind it (the `hlo_op` the runtime records)
 and reported with:
@@ -17,9 +18,12 @@ and reported with:
 - its time per call and its floor: the bytes its operands and result occupy
   at the measured copy bandwidth, or its matrix products' FLOPs at the
   measured bf16 matmul rate, whichever is longer. Pallas kernels get the
-  bytes floor only (the attention benchmark gives their FLOP rooflines).
+  bytes floor only (the attention benchmark gives their FLOP rooflines). A
+  kernel that reads less than its operands (a gather reads rows of a table)
+  can beat that floor: then its time stands for its floor in the sums.
 Times are sums of kernel durations over the traced calls divided by the calls;
 a part's `gap_ms` is its time over its floor, the most fixing it could win.
+`--hlo-dir` keeps each program's compiled HLO, to read what a fusion holds.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import gzip
 import os
 import re
 import tempfile
@@ -37,7 +42,7 @@ from flax import nnx
 from jax.profiler import ProfileData
 
 from benchmarks import common, hlo_cost
-from benchmarks.problems import functional_step, ranking_batch
+from benchmarks.problems import functional_step, ranking_batch, served_forward
 from ikbo_jax.models import Ranker, RankerConfig
 
 # The named scopes the model, the loss and the trainer trace under, innermost wins.
@@ -112,10 +117,14 @@ def _kind_of_name(name: str) -> str:
   return "other"
 
 
-def profile(fn, args, iterations: int, ceilings: dict) -> dict:
+def profile(fn, args, iterations: int, ceilings: dict, hlo_path: str | None = None) -> dict:
   """`fn(*args)` traced `iterations` times: its kernels, grouped, against their floors."""
   compiled = jax.jit(fn).lower(*args).compile()
-  instructions = hlo_cost.parse(compiled.as_text())
+  text = compiled.as_text()
+  if hlo_path:
+    with gzip.open(hlo_path, "wt") as f:
+      f.write(text)
+  instructions = hlo_cost.parse(text)
   jax.block_until_ready(compiled(*args))
   with tempfile.TemporaryDirectory() as trace_dir:
     jax.profiler.start_trace(trace_dir)
@@ -137,6 +146,7 @@ def profile(fn, args, iterations: int, ceilings: dict) -> dict:
   rows = sorted(kernels.values(), key=lambda row: -row["ns"])
   for row in rows:
     row["ms"] = row.pop("ns") / 1e6 / iterations
+    row["floor_ms"] = min(row["floor_ms"], row["ms"])
     row["launches"] /= iterations
     row["op_name"] = instructions[row["hlo_op"]].op_name[:200] if row["hlo_op"] in instructions \
         else ""
@@ -175,8 +185,12 @@ def main() -> None:
   parser.add_argument("--iterations", type=int, default=10)
   parser.add_argument("--parts", nargs="*", choices=("inference", "training"),
                       default=("inference", "training"))
+  parser.add_argument("--hlo-dir", help="write each program's compiled HLO here (.hlo.txt.gz)")
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
+  hlo_path = lambda name: args.hlo_dir and os.path.join(args.hlo_dir, f"ranker_{name}.hlo.txt.gz")
+  if args.hlo_dir:
+    os.makedirs(args.hlo_dir, exist_ok=True)
   config = RankerConfig() if args.small else RankerConfig.benchmark()
   b = args.candidates or (64 if args.small else 1024)
   ratio = args.ratio or (8 if args.small else 70)
@@ -185,9 +199,9 @@ def main() -> None:
   payload = dict(**common.metadata(), config=str(config), num_candidates=b,
                  num_users=batch.num_users, iterations=args.iterations, ceilings=ceilings)
   if "inference" in args.parts:
-    graphdef, state = nnx.split(Ranker(config, rngs=nnx.Rngs(0)))
-    forward = lambda state, batch: nnx.merge(graphdef, state)(batch)
-    payload["inference"] = profile(forward, (state, batch), args.iterations, ceilings)
+    served, leaves = served_forward(Ranker(config, rngs=nnx.Rngs(0)), batch)
+    payload["inference"] = profile(served, (leaves, batch), args.iterations, ceilings,
+                                   hlo_path("inference"))
     _report("inference", payload["inference"])
     common.write_json(args.out, payload)
   if "training" in args.parts:
@@ -195,7 +209,7 @@ def main() -> None:
     optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
     payload["training"] = profile(functional_step(graphdef, "ikbo"), (state, batch),
-                                  args.iterations, ceilings)
+                                  args.iterations, ceilings, hlo_path("training"))
     _report("training", payload["training"])
   common.write_json(args.out, payload)
 

@@ -244,7 +244,12 @@ def _no_group_level(config: RankerConfig, method: str) -> None:
 def _masked_mean(x: jax.Array, length: jax.Array) -> jax.Array:
   """`x [N, S, D]` averaged over positions `< length[n]` (zeros where `length == 0`)."""
   valid = jnp.arange(x.shape[1])[None, :] < length[:, None]
-  total = jnp.sum(jnp.where(valid[..., None], x, 0).astype(jnp.float32), axis=1)
+  # A matrix-vector product per row, not a sum over the middle axis: on an H100, XLA fused
+  # that sum (few rows, S long) into the stacking's concatenate and ran it at ~70 GB/s (0.12
+  # ms for 8 MB at the benchmark size). The select keeps padding positions out whatever they
+  # hold (0 * inf would not); the weights are exact, the sums float32 either way.
+  total = jnp.einsum("ns,nsd->nd", valid.astype(x.dtype), jnp.where(valid[..., None], x, 0),
+                     precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
   return (total / jnp.maximum(length, 1)[:, None]).astype(x.dtype)
 
 
