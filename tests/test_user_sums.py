@@ -70,3 +70,16 @@ def test_a_non_finite_row_reaches_only_its_users_sum(num_users):
   np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
   np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_finite_rows_whose_sum_overflows_give_the_plain_sum(dtype):
+  """Sums are checked before rows: an overflow of finite rows is a plain sum's Inf, no NaN."""
+  big = float(jnp.finfo(dtype).max)
+  ids = jnp.asarray([0, 0, 1, 1, 2], jnp.int32)
+  x = jnp.asarray([[big, 1.0], [big, -1.0], [-big, 2.0], [-big, 0.0], [1.0, 1.0]], dtype)
+  got = np.asarray(user_sums.sum_per_user(x, ids, 3))
+  # float32 sums: two bfloat16 maxima fit, two float32 maxima overflow to Inf.
+  want = np.asarray(x, np.float64)
+  want = np.stack([want[:2].sum(0), want[2:4].sum(0), want[4]]).astype(np.float32)
+  np.testing.assert_array_equal(got, want)

@@ -17,9 +17,9 @@ floating-point sum ever depends on arrival order:
 
 A one-hot GEMM multiplies every row by every user's 0 or 1, and `0 * NaN` is
 NaN: one non-finite candidate row would reach every user's sum. So only when
-some value is not finite (`lax.cond`) does the GEMM run on the finite values,
-and counts of the NaN, +Inf and -Inf per user and element put back what a
-plain sum of that user's rows gives there.
+some sum and some value are not finite (`lax.cond`) does the GEMM run again on
+the finite values, and counts of the NaN, +Inf and -Inf per user and element
+put back what a plain sum of that user's rows gives there.
 """
 
 from __future__ import annotations
@@ -41,16 +41,24 @@ def one_hot_sum(one_hot, x):
   """
   gemm = lambda v: jnp.einsum("sc,c...->s...", one_hot.astype(v.dtype), v,
                               preferred_element_type=_F32, precision=_HIGHEST)
-  finite = jnp.isfinite(x)
 
   def with_non_finite():
+    finite = jnp.isfinite(x)
     total = gemm(jnp.where(finite, x, jnp.zeros((), x.dtype)))
     holds = lambda mask: gemm(mask.astype(_F32)) > 0
     nan, pos, neg = holds(jnp.isnan(x)), holds(x == jnp.inf), holds(x == -jnp.inf)
     return jnp.where(nan | (pos & neg), jnp.nan,
                      jnp.where(pos, jnp.inf, jnp.where(neg, -jnp.inf, total)))
 
-  return jax.lax.cond(jnp.all(finite), lambda: gemm(x), with_non_finite)
+  # The sums are checked before x, which is read only where a sum is not finite: a
+  # non-finite value of x makes its user's sum non-finite (a 1 times NaN or Inf, added to
+  # anything, stays NaN or Inf), so finite sums are the plain GEMM's, and the [U, ...]
+  # sums cost far less to read than the [B, ...] rows. Non-finite sums of finite rows (an
+  # overflow) are the plain GEMM's too.
+  total = gemm(x)
+  return jax.lax.cond(
+      jnp.all(jnp.isfinite(total)), lambda: total,
+      lambda: jax.lax.cond(jnp.all(jnp.isfinite(x)), lambda: total, with_non_finite))
 
 
 def add_sorted_chunk(total, rows, ids):
