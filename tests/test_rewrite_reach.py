@@ -185,3 +185,42 @@ def test_film_parameters_split_from_user_rows_stay_at_users():
   args = (_normal(0, U, 8), IDS, _normal(1, B, 5), _normal(2, 8, 10))
   report = check_rewrite(model, args, mapping=1, users=0)
   assert report.count("at_users") >= 2 and "split" not in _materialized_at(report), str(report)
+
+
+def test_a_factorization_machine_over_stacked_fields_sums_user_fields_at_users():
+  """FM: `0.5 * (sum(v)^2 - sum(v^2))` across stacked user and candidate fields."""
+  def model(user_fields, ids, cand_fields):
+    stack = jnp.concatenate([user_fields[ids], cand_fields], axis=1)  # [B, 5, D]
+    total = jnp.sum(stack, axis=1)
+    return 0.5 * jnp.sum(total * total - jnp.sum(jnp.square(stack), axis=1), axis=-1)
+  args = (_normal(0, U, 3, 4), IDS, _normal(1, B, 2, 4))
+  report = check_rewrite(model, args, mapping=1, users=0)
+  moved = [c.primitive for c in report.changes if c.kind == "at_users"]
+  assert {"square", "reduce_sum"} <= set(moved), str(report)
+  assert "concatenate" not in _materialized_at(report), str(report)
+
+
+def test_field_weights_and_a_squeeze_and_a_max_across_stacked_fields():
+  """FiBiNET's squeeze of field-weighted stacks (at U), and a max over fields stacked last
+  (as written)."""
+  def model(user, ids, cand, w_fields, w_squeeze):
+    stack = jnp.stack([user[ids], jnp.tanh(user)[ids], cand], axis=1)  # [B, 3, D]
+    weighted = stack * w_fields[None, :, None]
+    squeezed = jnp.mean(weighted, axis=-1) @ w_squeeze  # [B, 3] -> [B, D]
+    last = jnp.stack([user[ids], cand], axis=-1)  # [B, D, 2]
+    return squeezed + jnp.max(last, axis=-1) + jnp.sum(weighted, axis=1)
+  args = (_normal(0, U, 4), IDS, _normal(1, B, 4), _normal(2, 3), _normal(3, 3, 4))
+  report = check_rewrite(model, args, mapping=1, users=0)
+  moved = [c.primitive for c in report.changes if c.kind == "at_users"]
+  assert {"mul", "reduce_sum"} <= set(moved), str(report)
+  # A max across fields: where fields tie, its derivative is shared among every tied field.
+  assert "reduce_max" in _materialized_at(report), str(report)
+
+
+def test_a_max_across_tied_fields_keeps_the_shared_derivative():
+  """Ties between a user field and a candidate field: each gets its share of the gradient."""
+  def model(user, ids, cand):
+    return jnp.max(jnp.stack([user[ids], cand, user[ids]], axis=1), axis=1)
+  user = _normal(0, U, 4)
+  args = (user, IDS, user[IDS])  # every field ties
+  check_rewrite(model, args, mapping=1, users=0)

@@ -28,14 +28,14 @@ from jax._src import source_info_util
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as P
 
-from ikbo_jax.rewrite import dense, gathers, higher_order, marker, rules, scan
+from ikbo_jax.rewrite import dense, gathers, higher_order, marker, rules, scan, stacked
 from ikbo_jax.rewrite.report import Decline, Report
 from ikbo_jax.rewrite.values import LAZY, Broadcast, Concat, Plain, lineage, materialize
 
 
 # Keyed by primitive objects (see `rules.py`).
 _MAKERS = frozenset({P.broadcast_in_dim_p, P.iota_p, P.gather_p})
-_RULES = {**rules.RULES, **dense.RULES, P.gather_p: gathers.gather}
+_RULES = {**rules.RULES, **stacked.RULES, **dense.RULES, P.gather_p: gathers.gather}
 _HIGHER_ORDER = {**higher_order.RULES, **scan.RULES}
 _NOT_SHARED = frozenset({P.rng_uniform_p, P.rng_bit_generator_p, P.random_seed_p,
                          P.random_bits_p})

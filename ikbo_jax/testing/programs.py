@@ -8,7 +8,8 @@ product), elementwise ops including `custom_jvp` activations and user-defined
 custom rules (a straight-through estimator, a gradient clipper, a rule that is
 not row-wise), dense layers, reductions, reshapes and transposes, squeezes and
 casts, concatenations with candidate features before a dense layer, pairwise
-products of stacks, linear compression, attention through the marker (with
+products of stacks, work on stacked fields (a factorization machine, field
+weights, reductions across fields), linear compression, attention through the marker (with
 grouped queries), nested `jit`, `checkpoint`, `cond`, `vmap` and `scan` (over
 rows, and over stacked layers carrying a value, alone or mixed with another),
 and a user value used both at U and broadcast. Inputs have exact zeros (cold-start
@@ -151,6 +152,8 @@ def _apply(step: Step, x, y, params, cand, batch):
   if op == "pairwise":
     stack = jnp.stack([x, y, cand], axis=1)  # [B, 3, F]
     return jnp.einsum("bif,bjf->bij", stack, stack).reshape(-1, 9) @ params["w_pairs"]
+  if op == "fields":
+    return _fields(step.option, x, y, cand, params)
   if op == "compress":
     stack = jnp.concatenate([x[:, None], cand[:, None]], axis=1)  # [B, 2, F]
     return jnp.sum(jnp.einsum("mk,bkn->bmn", params["w_compress"], stack), axis=1)
@@ -159,6 +162,23 @@ def _apply(step: Step, x, y, params, cand, batch):
   if op == "scan":
     return _scan(step, x, y, params)
   raise ValueError(op)
+
+
+def _fields(option: str, x, y, cand, params):
+  """Work on stacked fields `[B, 3, F]` (or `[B, F, 3]`): a factorization machine, field
+  weights and a squeeze, a max across fields."""
+  if option == "fm":
+    stack = jnp.stack([x, y, cand], axis=1)
+    total = jnp.sum(stack, axis=1)
+    return 0.5 * (total * total - jnp.sum(jnp.square(stack), axis=1))
+  if option == "weighted":  # per-field weights, a squeeze along the features (FiBiNET)
+    stack = jnp.concatenate([x[:, None], y[:, None], cand[:, None]], axis=1)
+    weighted = stack * params["w_fields"][None, :, None]
+    return jnp.mean(weighted, axis=-1) @ params["w_pairs"][:3] + jnp.sum(weighted, axis=1)
+  if option == "max":  # stacked along the last axis
+    stack = jnp.stack([x, jnp.tanh(y), cand], axis=-1)
+    return jnp.max(stack, axis=-1) - jnp.min(stack * 0.5, axis=-1)
+  raise ValueError(option)
 
 
 def _scan(step: Step, x, y, params):
@@ -221,7 +241,8 @@ def build(steps: tuple[Step, ...]):
 
 SCANS = ("rows", "layers", "mixing")
 _STEPS = ("gather", "gather", "unary", "unary", "binary", "dense", "rownorm", "shape",
-          "concat_dense", "pairwise", "compress", "attention", "both", "cond", "scan")
+          "concat_dense", "pairwise", "compress", "attention", "both", "cond", "scan", "fields")
+FIELDS = ("fm", "weighted", "max")
 
 
 @st.composite
@@ -229,12 +250,13 @@ def steps(draw):
   out = [Step("gather", "u", 0, 0, draw(st.sampled_from(INDEX_KINDS)))]
   for _ in range(draw(st.integers(0, 5))):
     op = draw(st.sampled_from(_STEPS))
-    pool = "b" if op in ("concat_dense", "pairwise", "compress") else draw(
+    pool = "b" if op in ("concat_dense", "pairwise", "compress", "fields") else draw(
         st.sampled_from("ub"))
     option = (draw(st.sampled_from(sorted(UNARY))) if op in ("unary", "cond") else
               draw(st.sampled_from(sorted(BINARY))) if op == "binary" else
               draw(st.sampled_from(INDEX_KINDS)) if op in ("gather", "attention") else
-              draw(st.sampled_from(SCANS)) if op == "scan" else "")
+              draw(st.sampled_from(SCANS)) if op == "scan" else
+              draw(st.sampled_from(FIELDS)) if op == "fields" else "")
     wrap = draw(st.sampled_from(("", "", "", "jit", "checkpoint", "vmap")))
     out.append(Step(op, pool, draw(st.integers(0, 7)), draw(st.integers(0, 7)), option, wrap))
   return tuple(out)
@@ -274,6 +296,7 @@ def inputs(draw):
   params = {"w": normal(3, F, F) / np.sqrt(F), "bias": (0 if zero_bias else 1) * normal(3, F),
             "w_concat": normal(2 * F, F) / 4, "w_pairs": normal(9, F) / 3,
             "w_compress": normal(3, 2), "w_query": normal(F, F) / 3,
+            "w_fields": normal(3),
             "gate": np.float32(rng.standard_normal())}
   batch = {"ids": jnp.asarray(ids, jnp.int32),
            "seq": jnp.asarray(padding_rows(with_zeros_and_ties(normal(num_users, S, F)))),
