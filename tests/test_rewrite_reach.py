@@ -224,3 +224,18 @@ def test_a_max_across_tied_fields_keeps_the_shared_derivative():
   user = _normal(0, U, 4)
   args = (user, IDS, user[IDS])  # every field ties
   check_rewrite(model, args, mapping=1, users=0)
+
+
+def test_autoint_field_attention_projects_user_fields_at_users():
+  """AutoInt: per-field query, key and value projections of the stacked fields, attention
+  across fields; the user fields' projections and their query-key block run at U."""
+  def model(user_fields, ids, cand_fields, wq, wk, wv):
+    stack = jnp.concatenate([user_fields[ids], cand_fields], axis=1)  # [B, 5, D]
+    q, k, v = stack @ wq, stack @ wk, stack @ wv
+    attention = jax.nn.softmax(jnp.einsum("bfd,bgd->bfg", q, k), axis=-1)
+    return jax.nn.relu(jnp.einsum("bfg,bgd->bfd", attention, v) + stack).sum(axis=1)
+  args = (_normal(0, U, 3, 4), IDS, _normal(1, B, 2, 4), _normal(2, 4, 4), _normal(3, 4, 4),
+          _normal(4, 4, 4))
+  report = check_rewrite(model, args, mapping=1, users=0)
+  moved = [c.primitive for c in report.changes if c.kind == "at_users"]
+  assert moved.count("dot_general") >= 3 and report.count("block_product") == 1, str(report)

@@ -80,6 +80,8 @@ def split_dense(rw, eqn, lhs, rhs):
   s_contract, w_contract = (lc, rc) if stack_is_lhs else (rc, lc)
   if not isinstance(weight, Plain) or weight.at_b or lb or rb:
     raise Decline("the other operand of the concatenation is not a weight")
+  if stack_is_lhs and stack.dimension not in s_contract and 0 not in s_contract:
+    return _per_field(rw, eqn, stack, weight)
   if stack.dimension not in s_contract or 0 in s_contract:
     raise Decline("the concatenation axis is not contracted, or the candidate axis is")
   if _dispatch.forward_mode(weight.value, *stack.parts):
@@ -117,6 +119,18 @@ def split_dense(rw, eqn, lhs, rhs):
     out = gathered if out is None else out + gathered
   rw.report.add("split_dense", eqn)
   return [Plain(out.astype(out_aval.dtype), True)]
+
+
+def _per_field(rw, eqn, stack: Concat, weight: Plain):
+  """`stack @ w` contracting feature axes only: each field's rows are projected on their own
+  (AutoInt's and FiBiNET's per-field projections), so the product is a stack of the parts'
+  products, a user part's at U."""
+  (lc, _), _ = eqn.params["dimension_numbers"]
+  parts = tuple(dot_general(rw, eqn, [p, weight])[0] if isinstance(p, Broadcast) else Plain(
+      eqn.primitive.bind(materialize(p), weight.value, **eqn.params), True, p.at_u)
+      for p in stack.parts)
+  dimension = _free_dims(len(stack.shape), lc, ()).index(stack.dimension)
+  return [Concat(parts, stack.ids, dimension)]
 
 
 def _levels(stack: Concat) -> list[list[int]]:

@@ -166,7 +166,8 @@ def _apply(step: Step, x, y, params, cand, batch):
 
 def _fields(option: str, x, y, cand, params):
   """Work on stacked fields `[B, 3, F]` (or `[B, F, 3]`): a factorization machine, field
-  weights and a squeeze, a max across fields."""
+  weights and a squeeze, per-field projections with attention across fields, a max across
+  fields."""
   if option == "fm":
     stack = jnp.stack([x, y, cand], axis=1)
     total = jnp.sum(stack, axis=1)
@@ -175,6 +176,11 @@ def _fields(option: str, x, y, cand, params):
     stack = jnp.concatenate([x[:, None], y[:, None], cand[:, None]], axis=1)
     weighted = stack * params["w_fields"][None, :, None]
     return jnp.mean(weighted, axis=-1) @ params["w_pairs"][:3] + jnp.sum(weighted, axis=1)
+  if option == "project":  # per-field projections and attention across fields (AutoInt)
+    stack = jnp.stack([x, y, cand], axis=1)
+    q, k = stack @ params["w"][0], stack @ params["w"][1]
+    weights = jax.nn.softmax(jnp.einsum("bif,bjf->bij", q, k), axis=-1)
+    return jnp.einsum("bij,bjf->bif", weights, stack @ params["w"][2]).sum(axis=1)
   if option == "max":  # stacked along the last axis
     stack = jnp.stack([x, jnp.tanh(y), cand], axis=-1)
     return jnp.max(stack, axis=-1) - jnp.min(stack * 0.5, axis=-1)
@@ -242,7 +248,7 @@ def build(steps: tuple[Step, ...]):
 SCANS = ("rows", "layers", "mixing")
 _STEPS = ("gather", "gather", "unary", "unary", "binary", "dense", "rownorm", "shape",
           "concat_dense", "pairwise", "compress", "attention", "both", "cond", "scan", "fields")
-FIELDS = ("fm", "weighted", "max")
+FIELDS = ("fm", "weighted", "project", "max")
 
 
 @st.composite
