@@ -273,9 +273,11 @@ if has ranker_groups; then
 fi
 if has rewrite; then
   # With each program's compiled HLO: where a share is short, which kernels differ.
-  timeout 300 python3 -m benchmarks.rewrite --hlo-dir "$OUT/rewrite_hlo_${TAG}" \
+  timeout 300 python3 -m benchmarks.rewrite --hlo-dir /tmp/rewrite_hlo \
     --out "$OUT/rewrite_${TAG}.json" 2>&1 \
     | grep -v Warning | cut -c1-400 | tail -n 8
+  # One archive: a call brings back only a few files.
+  tar -czf "$OUT/rewrite_hlo_${TAG}.tar.gz" -C /tmp rewrite_hlo
 fi
 if has fuzz; then
   # The rewrite's property test, long profile, on the host's CPU cores (FUZZ_MINUTES), with
