@@ -239,3 +239,17 @@ def test_autoint_field_attention_projects_user_fields_at_users():
   report = check_rewrite(model, args, mapping=1, users=0)
   moved = [c.primitive for c in report.changes if c.kind == "at_users"]
   assert moved.count("dot_general") >= 3 and report.count("block_product") == 1, str(report)
+
+
+@pytest.mark.parametrize("mode", ["fill", "clip", "promise_in_bounds"])
+def test_take_along_axis_with_an_index_as_wide_as_the_rows_is_a_broadcast(mode):
+  """`take_along_axis(user, broadcast_to(ids[:, None], (B, F)), axis=0)`, out-of-range ids too."""
+  ids = IDS.at[-1].set(U).at[-2].set(-1)
+
+  def model(user, ids, cand, w):
+    wide = jnp.broadcast_to(ids[:, None], (ids.shape[0], user.shape[1]))
+    rows = jnp.take_along_axis(user, wide, axis=0, mode=mode)
+    return jnp.tanh(rows @ w) * cand
+  args = (_normal(0, U, 8), ids, _normal(1, B, 5), _normal(2, 8, 5))
+  report = check_rewrite(model, args, mapping=1, users=0)
+  assert report.count("broadcast") == 1 and report.count("at_users") >= 2, str(report)

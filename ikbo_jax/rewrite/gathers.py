@@ -36,7 +36,7 @@ import numpy as np
 from jax.extend.core import primitives as P
 from jax._src.lax.slicing import GatherScatterMode
 
-from ikbo_jax.rewrite.values import Broadcast, Plain
+from ikbo_jax.rewrite.values import Broadcast, Plain, RowConstant
 
 _INF = math.inf
 
@@ -47,6 +47,8 @@ def gather(rw, eqn, operands):
     return _lookup_of_broadcast_ids(rw, eqn, operand, indices)
   if isinstance(operand, Broadcast) and isinstance(indices, Plain):
     return _gather_of_broadcast(rw, eqn, operand, indices)
+  if isinstance(operand, Plain) and isinstance(indices, RowConstant) and not operand.at_b:
+    return _take_along_rows(rw, eqn, operand, indices)
   if not (isinstance(operand, Plain) and isinstance(indices, Plain)) or operand.at_b:
     return None
   if not (operand.at_u or indices.mapped):  # an embedding lookup by candidate ids stays one
@@ -64,6 +66,35 @@ def gather(rw, eqn, operands):
                           *_extra_rows(eqn, value, mode)])
   rw.report.add("broadcast", eqn, bytes_saved=nbytes(eqn.outvars[0].aval))
   return [Broadcast(user, ids, 0, rows)]
+
+
+def _take_along_rows(rw, eqn, operand: Plain, indices: RowConstant):
+  """`take_along_axis(user, broadcast_to(ids[:, None], (B, F)), axis=0)`: whole rows.
+
+  The gather is batched over every feature axis, each element reading its own
+  row; an index constant along those axes reads one row per candidate, `ids`,
+  element by element as a row gather reads it, out-of-range ids included.
+  """
+  dn, value = eqn.params["dimension_numbers"], operand.value
+  rank, features = np.ndim(value), tuple(range(1, np.ndim(value)))
+  if (dn.collapsed_slice_dims != (0,) or dn.start_index_map != (0,) or dn.offset_dims
+      or dn.operand_batching_dims != features or dn.start_indices_batching_dims != features
+      or tuple(eqn.params["slice_sizes"]) != (1,) * rank
+      or indices.shape[1:] != (*np.shape(value)[1:], 1)
+      or any(indices.varies_along(d) for d in range(1, rank + 1))):
+    return None
+  num_users, mode = np.shape(value)[0], eqn.params["mode"]
+  compact = indices.compact.reshape(-1)
+  ids, rows = rw.memo(("rows", num_users, mode), compact,
+                      lambda i: _exact_ids(i, num_users, mode))
+  extra = []
+  if mode == GatherScatterMode.FILL_OR_DROP:  # the gather itself at an out-of-range row
+    beyond = jnp.full((1, *indices.shape[1:]), num_users, indices.compact.dtype)
+    extra = [eqn.primitive.bind(value, beyond, **eqn.params)]
+  elif mode != GatherScatterMode.CLIP:
+    extra = _extra_rows(eqn, value, mode)
+  rw.report.add("broadcast", eqn, bytes_saved=nbytes(eqn.outvars[0].aval))
+  return [Broadcast(jnp.concatenate([value, *extra]), ids, 0, rows)]
 
 
 def _gather_of_broadcast(rw, eqn, inner: Broadcast, indices: Plain):

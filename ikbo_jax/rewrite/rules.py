@@ -96,7 +96,8 @@ def row_constant_elementwise(rw, eqn, operands):
   compacts = [c if np.ndim(c) == 0 else
               jax.lax.broadcast_in_dim(c, common, tuple(range(len(common)))) for c in compacts]
   out = eqn.primitive.bind(*compacts, **eqn.params)
-  return [RowConstant(out, shape, any(at_u(v) for v in operands))]
+  return [RowConstant(out, shape, any(at_u(v) for v in operands),
+                      any(at_b(v) for v in operands))]
 
 
 def iota(rw, eqn, operands):
@@ -134,7 +135,7 @@ def broadcast_in_dim(rw, eqn, operands):
     out = jax.lax.broadcast_in_dim(v.user, tuple(user_shape), dims)
     rw.moved(eqn, out, v)
     return [v.like(out, axis)]
-  if not shape or not (isinstance(v, RowConstant) or (isinstance(v, Plain) and not v.at_b)):
+  if not shape or not isinstance(v, (RowConstant, Plain)):
     return None
   source = v.compact if isinstance(v, RowConstant) else v.value
   compact_shape = [1] * len(shape)  # new axes are constant ...
@@ -143,7 +144,7 @@ def broadcast_in_dim(rw, eqn, operands):
   if tuple(compact_shape) == shape:  # constant along no axis: an ordinary value
     return None
   compact = jax.lax.broadcast_in_dim(source, tuple(compact_shape), dims)
-  return [RowConstant(compact, shape, at_u(v))]
+  return [RowConstant(compact, shape, at_u(v), at_b(v))]
 
 
 def reshape(rw, eqn, operands):
@@ -152,7 +153,7 @@ def reshape(rw, eqn, operands):
   if eqn.params.get("dimensions"):
     return None
   if isinstance(v, RowConstant):
-    return _repeated_rows(rw, eqn, v, new_sizes)
+    return _unit_axes_reshaped(v, new_sizes) or _repeated_rows(rw, eqn, v, new_sizes)
   if not isinstance(v, Broadcast):
     return None
   if v.axis != 0 or new_sizes[:1] != v.shape[:1]:
@@ -162,13 +163,24 @@ def reshape(rw, eqn, operands):
   return [v.like(out)]
 
 
+def _unit_axes_reshaped(v: RowConstant, new_sizes):
+  """A reshape that only adds or drops size-1 axes keeps a row-constant value row-constant
+  (`take_along_axis` adds one to its index); None for any other."""
+  kept = [d for d, n in enumerate(v.shape) if n != 1]
+  if [v.shape[d] for d in kept] != [n for n in new_sizes if n != 1]:
+    return None
+  extents = iter(v.compact.shape[d] for d in kept)
+  compact = jnp.reshape(v.compact, tuple(next(extents) if n != 1 else 1 for n in new_sizes))
+  return [RowConstant(compact, tuple(new_sizes), v.at_u, v.at_b)]
+
+
 def _repeated_rows(rw, eqn, v: RowConstant, new_sizes):
   """`reshape(broadcast(user[:, None], (U, r, ...)), (U * r, ...))`: each user row `r` times.
 
   That is `jnp.repeat(user, r, axis=0)` and `jnp.broadcast_to` of a uniform
   ratio: the rows of `take(user, arange(U * r) // r)`, exactly.
   """
-  if (len(v.shape) < 2 or not v.at_u or not v.varies_along(0) or v.varies_along(1)
+  if (len(v.shape) < 2 or not v.at_u or v.at_b or not v.varies_along(0) or v.varies_along(1)
       or new_sizes != (v.shape[0] * v.shape[1], *v.shape[2:])):
     return None
   num_users, ratio = v.shape[0], v.shape[1]
@@ -184,7 +196,7 @@ def squeeze(rw, eqn, operands):
   v, dims = operands[0], tuple(eqn.params["dimensions"])
   if isinstance(v, RowConstant):
     return [RowConstant(jax.lax.squeeze(v.compact, dims), tuple(eqn.outvars[0].aval.shape),
-                        v.at_u)]
+                        v.at_u, v.at_b)]
   if not isinstance(v, Broadcast):
     return None
   if v.axis in dims:  # B = 1: the one row is the one user row

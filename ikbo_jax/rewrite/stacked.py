@@ -54,7 +54,7 @@ def _part_operand(v, stack: Concat, index: int, bounds: list[int]):
       compact = jax.lax.slice_in_dim(compact, start, stop, axis=dim)
     shape = list(v.shape)
     shape[dim] = stop - start
-    return RowConstant(compact, tuple(shape), v.at_u)
+    return RowConstant(compact, tuple(shape), v.at_u, v.at_b)
   if isinstance(v, Plain) and np.ndim(v.value) == len(stack.shape):
     if np.shape(v.value)[dim] == 1:  # lax's size-1 broadcasting: the same for every field
       return v

@@ -102,17 +102,20 @@ class Broadcast:
     return self.like(read_rows.masked_tangent(self.user, self.rows, self.axis))
 
 
-@_pytree(data=("compact",), meta=("shape", "at_u"))
+@_pytree(data=("compact",), meta=("shape", "at_u", "at_b"))
 class RowConstant:
-  """A value that is constant along some axes (a broadcast bias, an iota mask).
+  """A value that is constant along some axes (a broadcast bias, an iota mask, a mapping
+  broadcast along feature axes).
 
   `compact` has the full rank and size 1 along every axis the value is constant
-  on; `shape` is the full shape. `at_u` if it depends on a user input.
+  on; `shape` is the full shape. `at_u` if it depends on a user input, `at_b`
+  if it may vary along the candidate axis (`ids[:, None]` broadcast to `[B, F]`).
   """
 
   compact: jax.Array
   shape: tuple[int, ...]
   at_u: bool = False
+  at_b: bool = False
 
   def varies_along(self, axis: int) -> bool:
     return self.compact.shape[axis] != 1
@@ -182,7 +185,7 @@ def read_rows_only(v):
 
 def at_b(v) -> bool:
   """Whether `v`, as an ordinary array, may vary along a candidate batch axis."""
-  return not (isinstance(v, RowConstant) or (isinstance(v, Plain) and not v.at_b))
+  return not (isinstance(v, (Plain, RowConstant)) and not v.at_b)
 
 
 def at_u(v) -> bool:

@@ -110,13 +110,16 @@ def _index(kind: str, user, ids, k: int):
     return jax.nn.one_hot(ids, u, dtype=user.dtype) @ user
   if kind == "squeeze_cast":
     return jnp.squeeze(user[ids][:, None, :], 1).astype(jnp.bfloat16).astype(jnp.float32)
+  if kind == "take_along":  # an index as wide as the rows: each element reads its own row
+    wide = jnp.broadcast_to(ids[:, None], (ids.shape[0], user.shape[1]))
+    return jnp.take_along_axis(user, wide, axis=0)
   if kind == "repeat":  # a uniform ratio, ignoring the mapping
     return jnp.repeat(user, ids.shape[0] // u, axis=0)
   raise ValueError(kind)
 
 
 INDEX_KINDS = ("getitem", "take_clip", "take_clamped", "take_fill", "minimum", "shifted",
-               "one_hot", "squeeze_cast", "repeat")
+               "one_hot", "squeeze_cast", "take_along", "repeat")
 
 
 @dataclasses.dataclass(frozen=True)
