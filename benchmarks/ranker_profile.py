@@ -138,9 +138,11 @@ def profile(fn, args, iterations: int, ceilings: dict, hlo_path: str | None = No
     instruction = instructions.get(event["hlo_op"])
     if instruction is not None and instruction.opcode in _CONTROL_FLOW:
       continue  # a CPU trace's loop or branch spans the thunks of its body, traced too
-    row = kernels.setdefault((event["hlo_op"] or event["name"], event["name"]), dict(
-        hlo_op=event["hlo_op"], kernel=event["name"][:120], ns=0, launches=0,
-        **classify(instruction, event["name"]), **_floor(instruction, ceilings)))
+    key = (event["hlo_op"] or event["name"], event["name"])
+    if key not in kernels:
+      kernels[key] = dict(hlo_op=event["hlo_op"], kernel=event["name"][:120], ns=0, launches=0,
+                          **classify(instruction, event["name"]), **_floor(instruction, ceilings))
+    row = kernels[key]
     row["ns"] += event["ns"]
     row["launches"] += 1
   rows = sorted(kernels.values(), key=lambda row: -row["ns"])
