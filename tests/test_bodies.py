@@ -124,3 +124,58 @@ def test_any_corruption_of_a_body_is_a_clear_error_or_a_valid_request(content_ty
   else:  # what passes is a request the model takes
     assert request.user_dense.shape == (CONFIG.user_dense,) and request.num_candidates >= 1
     assert request.cand_dense.shape == (request.num_candidates, CONFIG.cand_dense)
+
+
+def _raw_map(pairs, header=None) -> bytes:
+  """A msgpack map of already-encoded `(key, value)` byte pairs, repeats allowed."""
+  head = header if header is not None else bytes([0x80 | len(pairs)])
+  return head + b"".join(k + v for k, v in pairs)
+
+
+def _pairs(body: bytes) -> list[tuple[bytes, bytes]]:
+  return [(msgspec.msgpack.encode(k), msgspec.msgpack.encode(v))
+          for k, v in msgspec.msgpack.decode(body).items()]
+
+
+def _str8(text: str) -> bytes:
+  return bytes([0xd9, len(text)]) + text.encode()
+
+
+def test_a_repeated_msgpack_field_is_refused_naming_it():
+  """A repeated key (the decoder would keep the last) at the top, inside a typed array, and
+  spelled two ways (`fixstr` then `str8`)."""
+  pairs = _pairs(bodies.encode(REQUESTS[0], bodies.MSGPACK))
+  history = dict(pairs)[msgspec.msgpack.encode("history")]
+  user = msgspec.msgpack.decode(dict(pairs)[msgspec.msgpack.encode("user_dense")])
+  # `"dtype": "<f8"` first, then the typed array's own three entries: its "<f4" wins.
+  twice_dtype = bytes([0x84]) + msgspec.msgpack.encode("dtype") + msgspec.msgpack.encode(
+      "<f8") + msgspec.msgpack.encode(user)[1:]
+  cases = {
+      "history": _raw_map([*pairs, (msgspec.msgpack.encode("history"), history)]),
+      "history spelled twice": _raw_map([*pairs, (_str8("history"), history)]),
+      "dtype": _raw_map([(k, twice_dtype if k == msgspec.msgpack.encode("user_dense") else v)
+                         for k, v in pairs]),
+  }
+  for case, body in cases.items():
+    with pytest.raises(bodies.BodyError) as raised:
+      bodies.decode(bodies.MSGPACK, body, CONFIG, 100)
+    named = "dtype" if case == "dtype" else "history"
+    assert raised.value.status == 400 and f"repeats a field ({named})" in str(raised.value), case
+
+
+def test_wider_msgpack_forms_without_repeats_are_accepted():
+  """Another encoder's map16 header and str8 keys: longer than msgspec's, no repeat."""
+  sent = REQUESTS[1]
+  pairs = [(_str8(msgspec.msgpack.decode(k)), v)
+           for k, v in _pairs(bodies.encode(sent, bodies.MSGPACK))]
+  body = _raw_map(pairs, header=bytes([0xde, 0, len(pairs)]))
+  got = bodies.decode(bodies.MSGPACK, body, CONFIG, 100)
+  np.testing.assert_array_equal(got.history, sent.history)
+
+
+def test_a_huge_empty_shape_is_refused_before_any_reshape():
+  body = _packed(cand_items=_array("<i4", [0]),
+                 cand_dense=dict(dtype="<f4", shape=[0, 2**62], data=b""))
+  with pytest.raises(bodies.BodyError) as raised:
+    bodies.decode(bodies.MSGPACK, body, CONFIG, 100)
+  assert raised.value.status == 400 and "its rows must have" in str(raised.value)

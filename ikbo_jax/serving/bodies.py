@@ -30,6 +30,7 @@ import numpy as np
 
 from ikbo_jax.data import Request
 from ikbo_jax.models import RankerConfig
+from ikbo_jax.serving import msgpack_keys
 
 JSON, MSGPACK = "application/json", "application/msgpack"
 CONTENT_TYPES = (JSON, MSGPACK)
@@ -75,6 +76,7 @@ class _MsgpackBody(msgspec.Struct, forbid_unknown_fields=True):
 # integers within 64 bits, no NaN or Infinity literals. On a 1024-item history it is ~7x
 # faster than `json.loads`.
 _DECODERS = {JSON: msgspec.json.Decoder(_JsonBody), MSGPACK: msgspec.msgpack.Decoder(_MsgpackBody)}
+_MSGPACK_ENCODER = msgspec.msgpack.Encoder()
 
 
 def decode(content_type: str, body: bytes, config: RankerConfig, max_candidates: int) -> Request:
@@ -87,6 +89,7 @@ def decode(content_type: str, body: bytes, config: RankerConfig, max_candidates:
   except msgspec.DecodeError as e:
     raise BodyError(400, f"the body is not {content_type}: {e}") from None
   if content_type == MSGPACK:
+    _refuse_repeated_msgpack_keys(decoded, body)
     fields = _arrays(decoded, config)
   else:
     _refuse_repeated_keys(body)
@@ -110,6 +113,25 @@ def _refuse_repeated_keys(body: bytes) -> None:
                          f"each of {list(FIELDS)} must appear once")
 
 
+def _refuse_repeated_msgpack_keys(decoded: _MsgpackBody, body: bytes) -> None:
+  """A msgpack map may repeat a key, and the decoder keeps the last: refused instead.
+
+  A body no longer than the decoded request's shortest encoding (what msgspec
+  writes, ~2 us) repeats nothing: a repeated key and its first value take at
+  least two bytes more. Only a longer one (another encoder's wider forms, or a
+  repeat) is walked (`msgpack_keys`, ~35 us).
+  """
+  if len(body) <= len(_MSGPACK_ENCODER.encode(decoded)):
+    return
+  try:
+    repeated = msgpack_keys.repeated_keys(body)
+  except ValueError as e:
+    raise BodyError(400, f"the body is not {MSGPACK}: {e}") from None
+  if repeated:
+    raise BodyError(400, f"the body repeats a field ({', '.join(map(str, repeated))}); each "
+                         f"field of {list(FIELDS)} and of their typed arrays must appear once")
+
+
 def _arrays(decoded: _MsgpackBody, config: RankerConfig) -> dict[str, np.ndarray]:
   fields = {}
   for name, dtype in _DTYPES.items():
@@ -121,6 +143,9 @@ def _arrays(decoded: _MsgpackBody, config: RankerConfig) -> dict[str, np.ndarray
     if len(array.shape) != rank or min(array.shape) < 0:
       raise BodyError(400, f"{name} has shape {array.shape}; it must have {rank} "
                            f"non-negative dimension{'s' if rank > 1 else ''}")
+    if name == "cand_dense" and array.shape[1] != config.cand_dense:  # before any reshape
+      raise BodyError(400, f"cand_dense has shape {array.shape}; its rows must have "
+                           f"{config.cand_dense} features")
     if array.data.nbytes != math.prod(array.shape) * dtype.itemsize:
       raise BodyError(400, f"{name} has {array.data.nbytes} bytes; shape {array.shape} of "
                            f"{dtype.name} needs {math.prod(array.shape) * dtype.itemsize}")
