@@ -118,6 +118,27 @@ def test_a_request_head_over_its_limits_gets_431_and_others_are_served(attack):
   assert reply.startswith("HTTP/1.1 431") and took < 5, (reply[:200], took)
 
 
+# Defect (issue 53): the head deadline was armed from the last request parsed, so a
+# connection still answering requests it had parsed at once, pipelined, was closed at the
+# deadline with most of them unanswered.
+def test_pipelined_requests_are_all_answered_past_the_head_deadline():
+  body = json.dumps(json_body(some_requests(1)[0])).encode()
+  request = HEAD + b"Content-Length: %d\r\n\r\n" % len(body) + body
+  count = 40  # at 0.02 s a batch, answering takes several head deadlines of 0.2 s
+  app = create_app(SlowScorer(0.02))
+  with loopback.serving(app, http=guarded_http(0.2)) as served_at:
+    host, port = served_at.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+      conn.sendall(request * count)
+      replies = b""
+      while replies.count(b"HTTP/1.1 ") < count:
+        chunk = conn.recv(65536)
+        if not chunk:
+          break
+        replies += chunk
+  assert replies.count(b"HTTP/1.1 200") == count, replies.count(b"HTTP/1.1 ")
+
+
 # Defect (the first HTTP benchmark on the GPU host): a body that completed its request in
 # one read of more than 32 KiB was counted as the next request's head, and the request was
 # answered 431. A head is counted only from reads that begin in it and do not end it.

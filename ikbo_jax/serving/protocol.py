@@ -5,7 +5,8 @@ starts after a response and stops at the next byte), so a connection that never
 completes a request head, idle from the start or a client sending a byte at a
 time, holds its socket forever: enough of them exhaust the file descriptors and
 the server stops answering. Here each connection must complete a request head
-within `head_timeout_s` of opening, and of each response; else it is closed.
+within `head_timeout_s` of opening, and of its last response; else it is closed (a
+connection answering requests pipelined on it is not waiting for a head).
 
 uvicorn's connection limit counts idle connections and answers health checks 503 past
 it; here it counts requests in progress, and health checks always pass.
@@ -133,7 +134,11 @@ class _GuardedProtocol(HttpToolsProtocol):
     self.loop.call_later(self.head_timeout_s, self._close_if_no_head, waiting_after)
 
   def _close_if_no_head(self, waiting_after) -> None:
-    if self.cycle is waiting_after and not self.transport.is_closing():
+    # A connection still answering is not waiting for a head: requests pipelined behind the
+    # one answered were parsed long ago (the last of them is `self.cycle`), and the response
+    # that ends the last of them arms the deadline again.
+    busy = self.pipeline or (self.cycle is not None and not self.cycle.response_complete)
+    if self.cycle is waiting_after and not busy and not self.transport.is_closing():
       self.transport.close()
 
 
