@@ -23,7 +23,7 @@ from ikbo_jax.ops.linear_compression import linear_compression
 from ikbo_jax.ops.two_level_linear_compression import two_level_linear_compression
 from ikbo_jax.rewrite import read_rows
 from ikbo_jax.rewrite.report import FORWARD_MODE, Decline
-from ikbo_jax.rewrite.rules import parts_sizes
+from ikbo_jax.rewrite.rules import parts_starts
 from ikbo_jax.rewrite.values import Broadcast, Concat, Plain, materialize
 
 
@@ -87,7 +87,7 @@ def split_dense(rw, eqn, lhs, rhs):
   if _dispatch.forward_mode(weight.value, *stack.parts):
     raise Decline(FORWARD_MODE)
   w_axis = w_contract[s_contract.index(stack.dimension)]
-  starts = np.concatenate([[0], np.cumsum(parts_sizes(stack))])
+  starts = parts_starts(stack)
   w_slice = lambda i: jax.lax.slice_in_dim(weight.value, int(starts[i]), int(starts[i + 1]),
                                            axis=w_axis)
   levels = _levels(stack)

@@ -57,13 +57,21 @@ def gather(rw, eqn, operands):
   keeps_axis = _reads_whole_rows(eqn, np.shape(indices.value), np.shape(value))
   if keeps_axis is None:
     return None
+  mode = eqn.params["mode"] if not _within(indices, np.shape(value)[0]) else (
+      GatherScatterMode.CLIP)
+  return _rows_read(rw, eqn, value, indices.value, lambda i: i[:, 0], mode,
+                    keeps_axis=keeps_axis)
+
+
+def _rows_read(rw, eqn, value, index, ids_of, mode, *, index_tail=(1,), keeps_axis=False):
+  """The broadcast of `value`'s rows that the gather `eqn` reads by `index` (`ids_of(index)`:
+  one id per candidate), the rows its out-of-range ids read under `mode` appended."""
   num_users = np.shape(value)[0]
-  mode = eqn.params["mode"] if not _within(indices, num_users) else GatherScatterMode.CLIP
-  ids, rows = rw.memo(("rows", num_users, mode), indices.value,
-                      lambda i: _exact_ids(i[:, 0], num_users, mode))
+  ids, rows = rw.memo(("rows", num_users, mode), index,
+                      lambda i: _exact_ids(ids_of(i), num_users, mode))
   # The rows as the gather reads them; the row axis may stay, as a size-1 axis.
   user = jnp.concatenate([value[:, None] if keeps_axis else value,
-                          *_extra_rows(eqn, value, mode)])
+                          *_extra_rows(eqn, value, mode, index_tail)])
   rw.report.add("broadcast", eqn, bytes_saved=nbytes(eqn.outvars[0].aval))
   return [Broadcast(user, ids, 0, rows)]
 
@@ -83,18 +91,8 @@ def _take_along_rows(rw, eqn, operand: Plain, indices: RowConstant):
       or indices.shape[1:] != (*np.shape(value)[1:], 1)
       or any(indices.varies_along(d) for d in range(1, rank + 1))):
     return None
-  num_users, mode = np.shape(value)[0], eqn.params["mode"]
-  compact = indices.compact.reshape(-1)
-  ids, rows = rw.memo(("rows", num_users, mode), compact,
-                      lambda i: _exact_ids(i, num_users, mode))
-  extra = []
-  if mode == GatherScatterMode.FILL_OR_DROP:  # the gather itself at an out-of-range row
-    beyond = jnp.full((1, *indices.shape[1:]), num_users, indices.compact.dtype)
-    extra = [eqn.primitive.bind(value, beyond, **eqn.params)]
-  elif mode != GatherScatterMode.CLIP:
-    extra = _extra_rows(eqn, value, mode)
-  rw.report.add("broadcast", eqn, bytes_saved=nbytes(eqn.outvars[0].aval))
-  return [Broadcast(jnp.concatenate([value, *extra]), ids, 0, rows)]
+  return _rows_read(rw, eqn, value, indices.compact, lambda i: i.reshape(-1),
+                    eqn.params["mode"], index_tail=indices.shape[1:])
 
 
 def _gather_of_broadcast(rw, eqn, inner: Broadcast, indices: Plain):
@@ -177,16 +175,17 @@ def _read_rows(ids, num_rows: int):
   return jnp.where(read, jnp.arange(num_rows, dtype=jnp.int32), jnp.argmax(read).astype(jnp.int32))
 
 
-def _extra_rows(eqn, value, mode) -> list:
+def _extra_rows(eqn, value, mode, index_tail=(1,)) -> list:
   """The rows that out-of-range ids read under `mode` (a collapsing gather's), after the user rows.
 
-  A fill gather's is the gather itself at an out-of-range id, whatever its fill value.
+  A fill gather's is the gather itself at an out-of-range id (an index of one candidate,
+  `[1, *index_tail]`), whatever its fill value.
   """
   if mode == GatherScatterMode.CLIP:
     return []
   if mode == GatherScatterMode.FILL_OR_DROP:
-    return [eqn.primitive.bind(value, jnp.full((1, 1), np.shape(value)[0], jnp.int32),
-                               **eqn.params)]
+    beyond = jnp.full((1, *index_tail), np.shape(value)[0], jnp.int32)
+    return [eqn.primitive.bind(value, beyond, **eqn.params)]
   return [jax.lax.stop_gradient(value[:1]), jax.lax.stop_gradient(value[-1:])]
 
 

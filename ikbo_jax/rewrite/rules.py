@@ -270,12 +270,18 @@ def reduction(rw, eqn, operands):
   v = operands[0]
   if not isinstance(v, Broadcast) or len(operands) != 1:
     return None
-  axes = tuple(eqn.params["axes"])
-  if v.axis in axes:
+  if v.axis in eqn.params["axes"]:
     raise Decline("it reduces over the candidate axis")
-  out = read_rows.bind(eqn, _bound(eqn), [v.user], [v.axis], v.rows)
+  return [reduced_rows(rw, eqn, v, _bound(eqn))]
+
+
+def reduced_rows(rw, eqn, v: Broadcast, reduce) -> Broadcast:
+  """`reduce` (the equation's reduction, over axes other than the candidate axis) of a
+  broadcast's user rows, at U; padding rows stay harmless in its derivative."""
+  axes = eqn.params["axes"]
+  out = read_rows.bind(eqn, reduce, [v.user], [v.axis], v.rows)
   rw.moved(eqn, out, v)
-  return [v.like(out, v.axis - sum(a < v.axis for a in axes))]
+  return v.like(out, v.axis - sum(a < v.axis for a in axes))
 
 
 def cumulative(rw, eqn, operands):
@@ -347,6 +353,11 @@ def checkpoint_name(rw, eqn, operands):
 
 def parts_sizes(stack: Concat) -> list[int]:
   return [part_shape(p)[stack.dimension] for p in stack.parts]
+
+
+def parts_starts(stack: Concat) -> list[int]:
+  """Where each part begins along the stacking axis, and where the last ends."""
+  return [0, *np.cumsum(parts_sizes(stack)).tolist()]
 
 
 RULES = {p: elementwise for p in ELEMENTWISE}

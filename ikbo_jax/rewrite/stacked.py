@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import primitives as P
 
-from ikbo_jax.rewrite import read_rows, rules
+from ikbo_jax.rewrite import rules
 from ikbo_jax.rewrite.report import Decline
 from ikbo_jax.rewrite.values import Broadcast, Concat, Plain, RowConstant, lineage, materialize
 
@@ -34,11 +34,6 @@ from ikbo_jax.rewrite.values import Broadcast, Concat, Plain, RowConstant, linea
 _COMBINE = {P.reduce_sum_p: jax.lax.add, P.reduce_prod_p: jax.lax.mul,
             P.reduce_and_p: jax.lax.bitwise_and, P.reduce_or_p: jax.lax.bitwise_or}
 _ROUNDED = (P.reduce_sum_p, P.reduce_prod_p)
-
-
-def _boundaries(stack: Concat) -> list[int]:
-  sizes = [rules.part_shape(p)[stack.dimension] for p in stack.parts]
-  return list(np.cumsum([0, *sizes]))
 
 
 def _part_operand(v, stack: Concat, index: int, bounds: list[int]):
@@ -71,8 +66,8 @@ def elementwise(rw, eqn, operands):
   if not stacks:
     return rules.elementwise(rw, eqn, operands)
   lead = stacks[0]
-  bounds = _boundaries(lead)
-  if any(s.dimension != lead.dimension or _boundaries(s) != bounds for s in stacks):
+  bounds = rules.parts_starts(lead)
+  if any(s.dimension != lead.dimension or rules.parts_starts(s) != bounds for s in stacks):
     raise Decline("its stacks are split at different fields")
   parts = []
   for index in range(len(lead.parts)):
@@ -96,7 +91,8 @@ def reduction(rw, eqn, operands):
   if 0 in axes:
     raise Decline("it reduces over the candidate axis")
   if v.dimension not in axes:
-    parts = tuple(_reduced(rw, eqn, p, axes, _bound(eqn)) for p in v.parts)
+    bind = lambda x: eqn.primitive.bind(x, **eqn.params)
+    parts = tuple(_reduced(rw, eqn, p, bind) for p in v.parts)
     return [Concat(parts, v.ids, v.dimension - sum(a < v.dimension for a in axes))]
   if eqn.primitive not in _COMBINE:
     raise Decline("where fields tie, a maximum or minimum of the parts' would share the "
@@ -106,7 +102,7 @@ def reduction(rw, eqn, operands):
   if eqn.primitive in _ROUNDED and jnp.issubdtype(out_dtype, jnp.floating):
     acc = jnp.promote_types(out_dtype, jnp.float32)
   reduce = lambda x: eqn.primitive.bind(x.astype(acc), **eqn.params)
-  parts = [_reduced(rw, eqn, p, axes, reduce) for p in v.parts]
+  parts = [_reduced(rw, eqn, p, reduce) for p in v.parts]
   combine = _COMBINE[eqn.primitive]
   first = parts[0]
   if all(isinstance(p, Broadcast) and p.ids is first.ids and p.axis == first.axis
@@ -125,16 +121,10 @@ def reduction(rw, eqn, operands):
   return lineage(operands, [total.astype(out_dtype)])
 
 
-def _bound(eqn):
-  return lambda x: eqn.primitive.bind(x, **eqn.params)
-
-
-def _reduced(rw, eqn, part, axes, reduce):
-  """`reduce` of one part: a user part's at U (padding rows harmless in its derivative)."""
+def _reduced(rw, eqn, part, reduce):
+  """`reduce` of one part: a user part's at U."""
   if isinstance(part, Broadcast):
-    out = read_rows.bind(eqn, reduce, [part.user], [part.axis], part.rows)
-    rw.moved(eqn, out, part)
-    return part.like(out, part.axis - sum(a < part.axis for a in axes))
+    return rules.reduced_rows(rw, eqn, part, reduce)
   return lineage([part], [reduce(materialize(part))])[0]
 
 
