@@ -253,3 +253,16 @@ def test_take_along_axis_with_an_index_as_wide_as_the_rows_is_a_broadcast(mode):
   args = (_normal(0, U, 8), ids, _normal(1, B, 5), _normal(2, 8, 5))
   report = check_rewrite(model, args, mapping=1, users=0)
   assert report.count("broadcast") == 1 and report.count("at_users") >= 2, str(report)
+
+
+def test_two_take_along_axis_gathers_by_one_wide_index_are_one_broadcast():
+  """Both gathers by the same wide index read the same rows: their product runs at U."""
+  def model(user_a, ids, user_b, cand):
+    wide = jnp.broadcast_to(ids[:, None], (ids.shape[0], user_a.shape[1]))
+    rows_a = jnp.take_along_axis(user_a, wide, axis=0)
+    rows_b = jnp.take_along_axis(user_b, wide, axis=0)
+    return jnp.tanh(rows_a * rows_b) * cand
+  args = (_normal(0, U, 4), IDS.at[-1].set(U), _normal(1, U, 4), _normal(2, B, 4))
+  report = check_rewrite(model, args, mapping=1, users=(0, 2))
+  moved = [c.primitive for c in report.changes if c.kind == "at_users"]
+  assert "mul" in moved and "tanh" in moved, str(report)

@@ -30,7 +30,8 @@ from jax.extend.core import primitives as P
 
 from ikbo_jax.rewrite import dense, gathers, higher_order, marker, rules, scan, stacked
 from ikbo_jax.rewrite.report import Decline, Report
-from ikbo_jax.rewrite.values import LAZY, Broadcast, Concat, Plain, lineage, materialize
+from ikbo_jax.rewrite.values import (LAZY, Broadcast, Concat, Plain, RowConstant, lineage,
+                                     materialize)
 
 
 # Keyed by primitive objects (see `rules.py`).
@@ -80,6 +81,9 @@ class Rewriter:
         self.report.context.pop()
     reason = None
     if lazy or primitive in _MAKERS:
+      key = self._shared_key(eqn, operands)
+      if key is not None and key in self._memo:
+        return self._memo[key][0]
       try:
         outs = self._apply_rule(eqn, operands)
       except Decline as declined:
@@ -90,6 +94,8 @@ class Rewriter:
       except Exception as error:  # a rule that fails is a bug in the rule, not in the program
         outs, reason = None, f"the {name} rule failed ({type(error).__name__}: {error})"
       if outs is not None:
+        if key is not None:
+          self._memo[key] = (outs, operands)
         return outs
     return self.default(eqn, operands, reason or f"no rule moves {name} on these operands")
 
@@ -125,13 +131,21 @@ class Rewriter:
     return self._memo[key][0]
 
   def _shared_key(self, eqn, operands):
-    """A key under which equal integer equations share one result, or None."""
+    """A key under which equal integer equations share one result, or None.
+
+    Integer values are indices: two gathers by equal indices read the same rows only if the
+    rewrite can tell the indices equal, so equal equations on the same operands (ordinary or
+    constant along some axes) give one result.
+    """
     if (eqn.effects or eqn.primitive in _NOT_SHARED or not eqn.outvars or any(
         not (jnp.issubdtype(v.aval.dtype, jnp.integer) or v.aval.dtype == jnp.bool_)
         for v in eqn.outvars)):
       return None
     keys = []
     for v in operands:
+      if isinstance(v, RowConstant):
+        keys.append(("row_constant", id(v.compact), v.shape, v.at_u, v.at_b))
+        continue
       if not isinstance(v, Plain):
         return None
       if not isinstance(v.value, jax.core.Tracer) and np.ndim(v.value) == 0:  # a literal
